@@ -1,0 +1,40 @@
+"""hicache: a hierarchical KV cache (device, host and storage tiers) for LLM inference engines."""
+
+from .cache import HiCache, Hit, StoreResult
+from .config import HiCacheConfig, load_config
+from .errors import (
+    CacheClosedError,
+    CapacityError,
+    ConfigError,
+    HiCacheError,
+    InvalidKVError,
+    InvalidRequestError,
+    InvalidTokensError,
+    WorkerFailedError,
+)
+from .keys import Namespace
+from .leases import RetrieveView, SlotReservation
+from .stats import CacheStats, TierStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HiCache",
+    "Hit",
+    "StoreResult",
+    "HiCacheConfig",
+    "load_config",
+    "Namespace",
+    "RetrieveView",
+    "SlotReservation",
+    "CacheStats",
+    "TierStats",
+    "HiCacheError",
+    "ConfigError",
+    "InvalidRequestError",
+    "InvalidTokensError",
+    "InvalidKVError",
+    "CapacityError",
+    "CacheClosedError",
+    "WorkerFailedError",
+]

@@ -1,0 +1,392 @@
+"""``HiCache``: the public face of the library.
+
+    async with HiCache.from_config(load_config("config/default.yaml")) as cache:
+        hit = await cache.lookup(tokens)               # moves no data
+        await cache.store(tokens, kv)                  # kv: [C, L, len(tokens), H, D]
+        async with cache.retrieve(tokens) as view:     # pinned until the block exits
+            await view.wait_layer(0)
+            k, v = view.layer(0)
+
+Every call validates its arguments before touching any state, so a rejected call leaves the cache
+unchanged. All index and allocator state is changed on the event loop thread only; worker threads
+copy pages that are pinned or not yet published in the index.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import torch
+
+from .errors import InvalidKVError
+from .keys import TOKEN_BYTES, Namespace, as_token_bytes
+from .leases import Lease, RetrieveView, SlotReservation
+from .radix_tree import Pin, TreeNode
+from .stats import CacheStats, TierStats
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncGenerator, Mapping
+
+    from .config import HiCacheConfig
+    from .controller.controller import CacheController
+    from .controller.jobs import LoadJob
+
+__all__ = ["HiCache", "Hit", "StoreResult"]
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What ``lookup`` found: the cached prefix length (whole pages) and which tier holds it."""
+
+    tokens: int
+    by_tier: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """What ``store`` did: tokens newly cached, tokens that were cached already, tokens dropped."""
+
+    stored_tokens: int
+    cached_tokens: int
+    dropped_tokens: int = 0
+
+
+class HiCache(anyio.AsyncContextManagerMixin):
+    """A hierarchical KV cache: device and host tiers under one radix index."""
+
+    def __init__(self, config: HiCacheConfig, controller: CacheController, namespace: Namespace) -> None:
+        self.config = config
+        self.controller = controller
+        self.namespace = namespace
+        g = controller.device.geometry
+        self._geometry = g
+        self._page_size = g.page_size
+        self._page_bytes = g.page_size * TOKEN_BYTES
+
+    @classmethod
+    def from_config(cls, config: HiCacheConfig) -> HiCache:
+        """Build a cache and all its parts from a config (through the composition root)."""
+        from .containers import Container
+
+        return Container(config=config).cache()
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[HiCache]:
+        try:
+            async with self.controller:
+                yield self
+        except BaseExceptionGroup as group:
+            # The controller's task group wraps whatever ended it; a lone error (the caller's own,
+            # or a failed worker's WorkerFailedError) is clearer unwrapped.
+            if len(group.exceptions) == 1:
+                error = group.exceptions[0]
+                raise error from error.__cause__
+            raise
+
+    # -- public properties ----------------------------------------------------------------------
+
+    @property
+    def device_kv(self) -> torch.Tensor:
+        """The device pool ``[C, L, pages, page_size, H, D]``, for engines that read it in place."""
+        return self.controller.device.kv
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def _check_kv(self, kv: Any, num_tokens: int) -> None:
+        g = self._geometry
+        expected = (g.components, g.num_layers, num_tokens, g.num_kv_heads, g.head_dim)
+        layout = "[1, num_layers, tokens, 1, latent_dim]" if g.components == 1 else "[2, num_layers, tokens, num_kv_heads, head_dim]"
+        if not isinstance(kv, torch.Tensor):
+            raise InvalidKVError(f"kv must be a torch.Tensor {layout}, got {type(kv).__name__}")
+        if kv.dtype != g.dtype:
+            raise InvalidKVError(f"kv dtype must be {g.dtype} (the configured model dtype), got {kv.dtype}")
+        if tuple(kv.shape) != expected:
+            if kv.dim() == 5 and kv.shape[2] != num_tokens and (kv.shape[:2], kv.shape[3:]) == (expected[:2], expected[3:]):
+                raise InvalidKVError(f"kv holds {kv.shape[2]} tokens but {num_tokens} token ids were given")
+            raise InvalidKVError(f"kv shape must be {layout} = {list(expected)}, got {list(kv.shape)}")
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    async def lookup(self, tokens: Any) -> Hit:
+        """Length of the longest cached prefix and the tiers holding it. Moves no data."""
+        self.controller.check_open()
+        tb = as_token_bytes(tokens)
+        match = self.controller.tree.match(tb)
+        by_tier = {"device": 0, "host": 0}
+        for i, node in enumerate(match.path):
+            pages = match.last_pages if i == len(match.path) - 1 else node.num_pages
+            by_tier["device" if node.device is not None else "host"] += pages * self._page_size
+        self.controller.counters.lookups += 1
+        return Hit(match.pages * self._page_size, MappingProxyType(by_tier))
+
+    # -- store ----------------------------------------------------------------------------------
+
+    async def store(self, tokens: Any, kv: torch.Tensor, *, priority: int = 0) -> StoreResult:
+        """Cache the full pages of ``tokens`` that are not cached yet.
+
+        ``kv``: ``[2, num_layers, len(tokens), num_kv_heads, head_dim]`` (MLA: ``[1, L, T, 1, D]``).
+        New pages go to the device tier, and to the host tier when the device cannot make room.
+        """
+        ctl = self.controller
+        ctl.check_open()
+        tb = as_token_bytes(tokens)
+        num_tokens = len(tb) // TOKEN_BYTES
+        self._check_kv(kv, num_tokens)
+        ctl.counters.stores += 1
+        full = num_tokens // self._page_size
+        match = ctl.tree.match(tb)
+        if match.pages >= full:
+            self._touch(match.path)
+            return StoreResult(0, full * self._page_size)
+        first, need = match.pages, full - match.pages
+        pin = Pin(match.path[-1]) if match.path else None
+        try:
+            # Device residency is prefix-closed: pages after a host-only prefix go to host.
+            parent_on_device = not match.path or match.path[-1].device is not None
+            dev = await ctl.evictor.alloc_device(need, partial=True) if parent_on_device else []
+            host = ctl.evictor.alloc_host(need - len(dev), partial=True)
+            try:
+                await anyio.to_thread.run_sync(self._write_user_pages, kv, first, dev, host, limiter=ctl.limiter)
+            except BaseException:
+                ctl.device.allocator.free(dev)
+                ctl.host.allocator.free(host)
+                raise
+            nodes = self._insert(tb, first, dev, host, priority)
+        finally:
+            if pin is not None:
+                pin.release()
+        stored = sum(nd.num_pages for nd in nodes)
+        ctl.counters.stored_pages += stored
+        ctl.counters.dropped_pages += need - stored
+        ctl.counters.bytes_moved["user_to_device"] += len(dev) * self._geometry.page_bytes
+        ctl.counters.bytes_moved["user_to_host"] += len(host) * self._geometry.page_bytes
+        await self._backup_new(nodes)
+        return StoreResult(stored * self._page_size, first * self._page_size, (need - stored) * self._page_size)
+
+    def _write_user_pages(self, kv: torch.Tensor, first: int, dev: list[int], host: list[int]) -> None:
+        engine = self.controller.engine
+        engine.user_to_pool(kv, first, self.controller.device, dev)
+        engine.user_to_pool(kv, first + len(dev), self.controller.host, host)
+
+    def _insert(self, tb: bytes, first: int, dev: list[int], host: list[int], priority: int) -> list[TreeNode]:
+        """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
+
+        Synchronous, so nothing changes under it. Pages that another call cached meanwhile, or
+        that can no longer be attached, are freed. Returns the new nodes.
+        """
+        ctl = self.controller
+        full = len(tb) // self._page_bytes
+        usable = max(0, min(len(dev) + len(host), full - first))
+        match = ctl.tree.match(tb[: (first + usable) * self._page_bytes], split=True)
+        parent = match.path[-1] if match.path else ctl.tree.root
+        skip = match.pages - first
+        if skip < 0 or (len(dev) > skip and parent is not ctl.tree.root and parent.device is None):
+            # The pages before ours were dropped, or our device pages would sit under a host-only
+            # node: nothing can be attached without a gap or a broken invariant.
+            skip = len(dev) + len(host)
+        skip = min(skip, usable)
+        keep_dev = dev[skip:usable] if skip < len(dev) else []
+        host_from = max(0, skip - len(dev))
+        keep_host = host[host_from : max(0, usable - len(dev))]
+        ctl.device.allocator.free([p for p in dev if p not in set(keep_dev)])
+        ctl.host.allocator.free([p for p in host if p not in set(keep_host)])
+        nodes: list[TreeNode] = []
+        pos = first + skip
+        for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
+            if not pages:
+                continue
+            node = ctl.tree.extend(parent, tb[pos * self._page_bytes : (pos + len(pages)) * self._page_bytes])
+            setattr(node, attr, pages)
+            node.priority = priority
+            nodes.append(node)
+            parent, pos = node, pos + len(pages)
+        return nodes
+
+    async def _backup_new(self, nodes: list[TreeNode]) -> None:
+        for node in nodes:
+            if node.device is not None and self.controller.write_policy.backup_on_insert(node):
+                await self.controller.submit_backup(node)
+
+    # -- retrieve -------------------------------------------------------------------------------
+
+    def retrieve(self, tokens: Any) -> Lease:
+        """Lease the longest cached prefix of ``tokens`` on the device tier.
+
+        ``async with cache.retrieve(tokens) as view``: the prefix is pinned until the block exits;
+        pages found only on the host are loaded back layer by layer (see ``RetrieveView``).
+        """
+        self.controller.check_open()
+        tb = as_token_bytes(tokens)
+        return Lease(lambda: self._acquire_view(tb))
+
+    async def _acquire_view(self, tb: bytes) -> RetrieveView:
+        ctl = self.controller
+        ctl.check_open()
+        ps = self._page_size
+        num_tokens = len(tb) // TOKEN_BYTES
+        ctl.counters.retrieves += 1
+        path = ctl.tree.match(tb, split=True).path
+        pin = Pin(path[-1]) if path else None
+        loaded = 0
+        try:
+            jobs: list[LoadJob] = []
+            host_only = [nd for nd in path if nd.device is None]
+            if host_only:
+                dev = await ctl.evictor.alloc_device(sum(nd.num_pages for nd in host_only), partial=True)
+                # Awaiting may have let another retrieve start loading some of them: re-check.
+                host_only = [nd for nd in path if nd.device is None]
+                path, host_only, dev = self._fit_load(path, host_only, dev)
+                if pin is not None and (not path or path[-1] is not pin.node):
+                    old, pin = pin, (Pin(path[-1]) if path else None)
+                    old.release()
+                if host_only:
+                    loaded = len(dev)
+                    jobs.append(await ctl.submit_load(host_only, dev, path[-1]))
+            for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
+                if job not in jobs:
+                    jobs.append(job)
+            self._touch(path)
+            for node in path:
+                if ctl.write_policy.backup_on_hit(node):
+                    await ctl.submit_backup(node, wait=False)
+        except BaseException:
+            if pin is not None:
+                pin.release()
+            raise
+        hit_pages = sum(nd.num_pages for nd in path)
+        device_tokens = (hit_pages - loaded) * ps
+        self._count_retrieve(num_tokens, device_tokens, loaded * ps)
+        return RetrieveView(
+            tokens=hit_pages * ps,
+            by_tier={"device": device_tokens, "host": loaded * ps},
+            device_pages=[p for nd in path for p in (nd.device or [])],
+            jobs=jobs,
+            pin=pin,
+            device_pool=ctl.device,
+            read_layer=self._read_layer,
+            check_open=ctl.check_open,
+        )
+
+    def _fit_load(
+        self, path: list[TreeNode], host_only: list[TreeNode], dev: list[int]
+    ) -> tuple[list[TreeNode], list[TreeNode], list[int]]:
+        """Trim the host-only tail of ``path`` to the device pages we got; free the surplus."""
+        need = sum(nd.num_pages for nd in host_only)
+        ctl = self.controller
+        if len(dev) >= need:
+            ctl.device.allocator.free(dev[need:])
+            return path, host_only, dev[:need]
+        kept: list[TreeNode] = []
+        room = len(dev)
+        for node in host_only:
+            if room >= node.num_pages:
+                kept.append(node)
+                room -= node.num_pages
+                continue
+            if room > 0:
+                kept.append(ctl.tree._split(node, room))  # load the prefix that fits
+                room = 0
+            break
+        cut = path.index(host_only[0])
+        path = path[:cut] + kept
+        used = sum(nd.num_pages for nd in kept)
+        ctl.device.allocator.free(dev[used:])
+        return path, kept, dev[:used]
+
+    def _read_layer(self, device_pages: list[int], layer: int) -> tuple[torch.Tensor, ...]:
+        out = self.controller.engine.device_layer(device_pages, layer)
+        self.controller.counters.bytes_moved["device_to_user"] += sum(t.numel() * t.element_size() for t in out)
+        return out
+
+    def _touch(self, path: list[TreeNode]) -> None:
+        now = time.monotonic()
+        for node in path:
+            node.hit_count += 1
+            node.last_access = now
+
+    def _count_retrieve(self, num_tokens: int, device_tokens: int, host_tokens: int) -> None:
+        c = self.controller.counters
+        c.hit_tokens["device"] += device_tokens
+        c.miss_tokens["device"] += num_tokens - device_tokens
+        c.hit_tokens["host"] += host_tokens
+        c.miss_tokens["host"] += num_tokens - device_tokens - host_tokens
+
+    # -- zero-copy path -------------------------------------------------------------------------
+
+    def reserve(self, num_pages: int) -> Lease:
+        """Lease ``num_pages`` fresh device pages to write KV into in place (see ``SlotReservation``)."""
+        self.controller.check_open()
+        if not isinstance(num_pages, int) or num_pages < 0:
+            from .errors import InvalidRequestError
+
+            raise InvalidRequestError(f"num_pages must be a non-negative int, got {num_pages!r}")
+
+        async def acquire() -> SlotReservation:
+            pages = await self.controller.evictor.alloc_device(num_pages)
+            return SlotReservation(pages, self.controller.device, self._commit, self.controller.device.allocator.free)
+
+        return Lease(acquire)
+
+    async def _commit(self, tokens: Any, first_page: int, pages: list[int], priority: int) -> int:
+        ctl = self.controller
+        try:
+            ctl.check_open()
+            tb = as_token_bytes(tokens)
+        except BaseException:
+            ctl.device.allocator.free(pages)
+            raise
+        nodes = self._insert(tb, first_page, pages, [], priority)
+        stored = sum(nd.num_pages for nd in nodes)
+        ctl.counters.stored_pages += stored
+        await self._backup_new(nodes)
+        return stored * self._page_size
+
+    # -- observability --------------------------------------------------------------------------
+
+    async def wait_idle(self) -> None:
+        """Wait until background backups and load-backs queued so far have finished."""
+        await self.controller.wait_idle()
+
+    def stats(self) -> CacheStats:
+        """A frozen snapshot of capacity, usage, hits, traffic and queues."""
+        ctl = self.controller
+        c = ctl.counters
+        tiers = {
+            tier.name: TierStats(
+                capacity_pages=tier.num_pages,
+                used_pages=tier.used_pages,
+                page_bytes=self._geometry.page_bytes,
+                hit_tokens=c.hit_tokens[tier.name],
+                miss_tokens=c.miss_tokens[tier.name],
+                evicted_pages=c.evicted_pages[tier.name],
+            )
+            for tier in (ctl.device, ctl.host)
+        }
+        return CacheStats(
+            tiers=MappingProxyType(tiers),
+            bytes_moved=c.frozen(c.bytes_moved),
+            lookups=c.lookups,
+            retrieves=c.retrieves,
+            stores=c.stores,
+            stored_pages=c.stored_pages,
+            dropped_pages=c.dropped_pages,
+            backups=c.backups,
+            backups_skipped=c.backups_skipped,
+            spills=c.spills,
+            loads=c.loads,
+            queue_depths=MappingProxyType(ctl.queue_depths()),
+            in_flight=ctl.jobs.count if hasattr(ctl, "jobs") else 0,
+        )
+
+    def __repr__(self) -> str:
+        d, h = self.controller.device, self.controller.host
+        return f"<HiCache device={d.used_pages}/{d.num_pages} host={h.used_pages}/{h.num_pages} pages>"

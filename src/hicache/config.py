@@ -1,0 +1,443 @@
+"""Typed, validated configuration for a hicache instance.
+
+One frozen ``HiCacheConfig`` describes the model geometry, the tiers and the policies, so every
+component reads the same numbers and nothing changes under a running cache. ``load_config``
+layers (later wins, nested mappings deep-merged, lists replaced whole):
+
+1. the defaults of the models below,
+2. a YAML file, whose string values may use ``${VAR}`` or ``${VAR:-default}``,
+3. ``HICACHE_<SECTION>__<FIELD>`` environment variables (``__`` separates path segments),
+4. an ``overrides`` mapping from the caller.
+
+Every failure is a ``ConfigError`` whose message says where the bad value came from (file,
+environment variable or overrides) and names each offending field as a dotted path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer
+from pydantic import ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from hicache.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ENV_PREFIX", "ByteSize", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
+    "IOConfig", "ModelConfig", "PoliciesConfig", "TiersConfig", "format_size", "load_config", "parse_size",
+]
+
+ENV_PREFIX = "HICACHE_"
+
+_BINARY = (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
+_DECIMAL = (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000))
+_UNITS = {"": 1, "b": 1, **{name.lower(): unit for name, unit in _BINARY + _DECIMAL}}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+_SIZE_HINT = "expected bytes or a string like '512MiB'"
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def parse_size(value: object) -> int:
+    """Turn ``4096``, ``"512MiB"``, ``"1.5 GiB"`` or ``"1GB"`` into a whole number of bytes (>= 1).
+
+    Binary units (KiB..TiB) are powers of 1024, decimal ones (KB..TB) powers of 1000; units are
+    case-insensitive. Exact fractions are used so ``"1.5GiB"`` never suffers float rounding.
+    """
+    amount: Fraction | None = None
+    if isinstance(value, str):
+        match = _SIZE_RE.fullmatch(value)
+        unit = _UNITS.get(match.group(2).lower()) if match else None
+        if match and unit is not None:
+            amount = Fraction(match.group(1)) * unit
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if math.isfinite(value):
+            amount = Fraction(value)
+    if amount is None:
+        raise ConfigError(f"invalid size {value!r} ({_SIZE_HINT})")
+    if amount.denominator != 1:
+        raise ConfigError(f"invalid size {value!r} (not a whole number of bytes)")
+    if amount < 1:
+        raise ConfigError(f"invalid size {value!r} (must be at least 1 byte)")
+    return int(amount)
+
+
+def format_size(n: int) -> str:
+    """Spell a byte count readably (``"256MiB"``, ``"1.5KiB"``) in a form ``parse_size`` reads back.
+
+    The shortest exact spelling wins (binary units with up to three decimals, decimal units whole);
+    plain bytes only when no unit is exact.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"format_size needs a non-negative int, got {n!r}")
+    spellings = [f"{n // unit}{name}" for name, unit in _DECIMAL if n and n % unit == 0]
+    for name, unit in _BINARY:
+        amount = Fraction(n, unit)
+        if amount >= 1 and (amount * 1000).denominator == 1:
+            spellings.append(f"{float(amount):.3f}".rstrip("0").rstrip(".") + name)
+    return min(spellings, key=len) if spellings else f"{n}B"
+
+
+def _check_device(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    return value
+
+
+def _parse_pin_memory(value: object) -> object:
+    if isinstance(value, bool) or value == "auto":
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ValueError(f"expected 'auto', true or false, got {value!r}")
+
+
+def _field_error(field: str, message: str) -> PydanticCustomError:
+    """A cross-field error that still points at one field (``loc`` only names the model)."""
+    return PydanticCustomError("hicache_field", message, {"field": field})
+
+
+#: A byte count: an int, or a string such as ``"256MiB"``; dumped to JSON/YAML as such a string.
+ByteSize = Annotated[int, BeforeValidator(parse_size), PlainSerializer(format_size, when_used="json")]
+_Device = Annotated[str, AfterValidator(_check_device)]
+_PinMemory = Annotated[Literal["auto"] | bool, BeforeValidator(_parse_pin_memory)]
+_FROZEN = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(BaseModel):
+    """The model whose KV is cached: its geometry sizes pages, its identity namespaces keys."""
+
+    model_config = _FROZEN
+
+    name: str = Field(default="example-model", min_length=1)
+    num_layers: int = Field(default=8, ge=1)
+    num_kv_heads: int = Field(default=2, ge=1)
+    head_dim: int = Field(default=64, ge=1)
+    dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
+    attention: Literal["mha", "mla"] = "mha"
+    revision: str = ""
+
+    @model_validator(mode="after")
+    def _mla_has_one_head(self) -> ModelConfig:
+        if self.attention == "mla" and self.num_kv_heads != 1:
+            raise _field_error(
+                "num_kv_heads",
+                f"must be 1 when attention is 'mla' (one shared latent per token), got {self.num_kv_heads}",
+            )
+        return self
+
+    @property
+    def kv_components(self) -> int:
+        """2 (K and V) for MHA, 1 (the shared latent) for MLA."""
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``, known without importing torch."""
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype``; torch is imported only when this is asked for."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+class DeviceTierConfig(BaseModel):
+    """The accelerator pool (L1): where the engine reads KV from."""
+
+    model_config = _FROZEN
+
+    capacity: ByteSize = 256 * 1024**2
+    device: _Device = "auto"
+
+
+class HostTierConfig(BaseModel):
+    """The host-memory pool (L2) that device pages are backed up to and loaded back from."""
+
+    model_config = _FROZEN
+
+    capacity: ByteSize = 2 * 1024**3
+    layout: Literal["page_first", "layer_first"] = "page_first"
+    pin_memory: _PinMemory = "auto"
+
+
+class TiersConfig(BaseModel):
+    """All tiers, fastest first."""
+
+    model_config = _FROZEN
+
+    device: DeviceTierConfig = Field(default_factory=DeviceTierConfig)
+    host: HostTierConfig = Field(default_factory=HostTierConfig)
+    storage: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class PoliciesConfig(BaseModel):
+    """When pages are written down a tier and which pages are evicted first."""
+
+    model_config = _FROZEN
+
+    write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
+    write_threshold: int = Field(default=2, ge=1)
+    eviction: Literal["lru", "lfu", "fifo", "priority"] = "lru"
+
+
+class IOConfig(BaseModel):
+    """How pages are copied between tiers."""
+
+    model_config = _FROZEN
+
+    backend: Literal["kernel", "direct"] = "kernel"
+    layerwise: bool = True
+
+
+class ControllerConfig(BaseModel):
+    """Bounds for the background workers, so memory and shutdown time stay predictable."""
+
+    model_config = _FROZEN
+
+    backup_queue: int = Field(default=64, ge=1)
+    load_queue: int = Field(default=64, ge=1)
+    high_watermark: float = Field(default=0.95, gt=0, le=1)
+    low_watermark: float = Field(default=0.85, ge=0, lt=1)
+    shutdown_timeout_s: float = Field(default=10.0, gt=0)
+    io_threads: int = Field(default=2, ge=1)
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> ControllerConfig:
+        if self.low_watermark >= self.high_watermark:
+            raise _field_error(
+                "low_watermark",
+                f"must be below high_watermark ({self.high_watermark}), got {self.low_watermark}",
+            )
+        return self
+
+
+class HiCacheConfig(BaseModel):
+    """The root configuration; ``HiCacheConfig()`` is the packaged default."""
+
+    model_config = _FROZEN
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    page_size: int = Field(default=64, ge=1)
+    tenant_salt: str = ""
+    tiers: TiersConfig = Field(default_factory=TiersConfig)
+    policies: PoliciesConfig = Field(default_factory=PoliciesConfig)
+    io: IOConfig = Field(default_factory=IOConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page of KV occupies in a tier (all layers, K and V where present)."""
+        m = self.model
+        return m.kv_components * m.num_layers * self.page_size * m.num_kv_heads * m.head_dim * m.itemsize
+
+    def to_yaml(self) -> str:
+        """Dump as YAML that ``load_config`` reads back to an equal config."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> HiCacheConfig:
+    """Build a config from defaults, ``path``, ``HICACHE_*`` variables in ``env``, ``overrides``.
+
+    ``env`` defaults to ``os.environ``; pass a mapping to keep loading independent of the process.
+    """
+    environ = os.environ if env is None else env
+    source = None if path is None else os.fspath(path)
+    labels: dict[tuple[Any, ...], str] = {}  # leaf path -> where its value came from
+    data: dict[str, Any] = {}
+    if source is not None:
+        data = _substitute(_read_yaml(source), environ, source, ())
+        labels.update((leaf, source) for leaf in _leaves(data, ()))
+    data = _merge(data, _env_layer(environ, labels))
+    if overrides is not None:
+        if not isinstance(overrides, Mapping):
+            raise ConfigError(f"overrides: expected a mapping of settings, got {type(overrides).__name__}")
+        layer = _merge({}, overrides)  # also turns nested Mappings into dicts
+        labels.update((leaf, "overrides") for leaf in _leaves(layer, ()))
+        data = _merge(data, layer)
+    try:
+        return HiCacheConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False):
+            loc, message = _describe(err)
+            origin = _origin(loc, labels, source)
+            lines.append(f"{origin}: {_dotted(loc)}: {message}" if origin else f"{_dotted(loc)}: {message}")
+        raise ConfigError("\n".join(lines)) from exc
+
+
+def _origin(loc: tuple[Any, ...], labels: Mapping[tuple[Any, ...], str], source: str | None) -> str | None:
+    """Where the value at ``loc`` came from: the layer that set it, else the file (if any)."""
+    for k in range(len(loc), 0, -1):
+        if loc[:k] in labels:
+            return labels[loc[:k]]
+    # A cross-field error may point at a field nobody set; blame its siblings if one layer set them.
+    siblings = {label for key, label in labels.items() if key[: len(loc) - 1] == loc[:-1]}
+    return siblings.pop() if len(loc) > 1 and len(siblings) == 1 else source
+
+
+def _read_yaml(source: str) -> dict[str, Any]:
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {source}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: cannot read config file: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{source}: invalid YAML{where}: {problem}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+_VAR_RE = re.compile(r"\$\$\{|\$\{([^}]*)\}")
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _substitute(value: Any, env: Mapping[str, str], source: str, where: tuple[Any, ...]) -> Any:
+    """Expand ``${VAR}`` / ``${VAR:-default}`` in string values (``$${`` is a literal ``${``)."""
+    if isinstance(value, dict):
+        return {k: _substitute(v, env, source, (*where, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, env, source, (*where, i)) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def expand(match: re.Match[str]) -> str:
+        if match.group(1) is None:
+            return "${"
+        name, has_default, default = match.group(1).partition(":-")
+        if not _NAME_RE.fullmatch(name):
+            raise ConfigError(f"{source}: {_dotted(where)}: invalid variable reference {match.group(0)!r}")
+        if env.get(name):
+            return env[name]
+        if has_default or name in env:
+            return default
+        raise ConfigError(
+            f"{source}: {_dotted(where)}: environment variable {name} is not set "
+            f"(write ${{{name}:-default}} to give a default)"
+        )
+
+    return _VAR_RE.sub(expand, value)
+
+
+def _env_layer(env: Mapping[str, str], labels: dict[tuple[Any, ...], str]) -> dict[str, Any]:
+    """Collect ``HICACHE_A__B=v`` as ``{"a": {"b": v}}``; other ``HICACHE_*`` names are ignored."""
+    layer: dict[str, Any] = {}
+    for name in sorted(env):
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        path = tuple(name[len(ENV_PREFIX) :].lower().split("__"))
+        if path[0] not in HiCacheConfig.model_fields:
+            continue  # e.g. HICACHE_REDIS_PASSWORD, used by ${...} substitution instead
+        if not all(path):
+            raise ConfigError(
+                f"environment variable {name}: empty path segment "
+                "(separate names with double underscores, e.g. HICACHE_TIERS__HOST__CAPACITY)"
+            )
+        raw = env[name]
+        value = raw if _wants_string(path) else _parse_env_value(raw)
+        node = layer
+        for part in path[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[path[-1]] = value
+        labels.update((leaf, f"environment variable {name}") for leaf in _leaves(value, path))
+    return layer
+
+
+def _wants_string(path: tuple[str, ...]) -> bool:
+    """True when the field at ``path`` takes a string, so ``"0123"`` must not become an int."""
+    model: Any = HiCacheConfig
+    annotation: Any = None
+    for part in path:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return False
+        annotation = model = model.model_fields[part].annotation
+    if annotation is str:
+        return True
+    return get_origin(annotation) is Literal and all(isinstance(a, str) for a in get_args(annotation))
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    return raw if value is None else value
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``top`` over ``base`` into a new dict; non-mapping values (lists too) replace."""
+    out = dict(base)
+    for key, value in top.items():
+        old = out.get(key)
+        if isinstance(value, Mapping):
+            value = _merge(old if isinstance(old, dict) else {}, value)
+        out[key] = value
+    return out
+
+
+def _leaves(value: Any, prefix: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    if isinstance(value, dict) and value:
+        for key, sub in value.items():
+            yield from _leaves(sub, (*prefix, key))
+    else:
+        yield prefix
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _describe(err: Any) -> tuple[tuple[Any, ...], str]:
+    """Turn one pydantic error into (location, human message)."""
+    loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
+    got = repr(err.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    if kind == "hicache_field":
+        return (*loc, ctx["field"]), err["msg"]
+    if kind == "extra_forbidden":
+        return loc, "unknown setting"
+    if kind == "literal_error":
+        choices = ", ".join(re.findall(r"'[^']*'", str(ctx.get("expected"))))
+        return loc, f"expected one of {choices}, got {got}"
+    if kind == "value_error":
+        return loc, str(ctx.get("error", err["msg"]))
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return loc, f"expected a mapping of settings, got {got}"
+    message = err["msg"]
+    if message.startswith("Input should be "):
+        message = "expected " + message[len("Input should be ") :]
+    return loc, f"{message}, got {got}"

@@ -1,0 +1,109 @@
+"""The composition root: the one place that knows how the parts fit together.
+
+Every component takes plain typed arguments; only this module imports dependency-injector. Policy
+kinds and io backends are chosen with ``Selector`` providers keyed by the config, so adding a kind
+is one line here. Tests swap any part with ``container.<provider>.override(...)``.
+
+Singletons are per container instance, and ``HiCache.from_config`` makes a new container each
+time, so two caches never share a pool.
+"""
+
+from __future__ import annotations
+
+from dependency_injector import containers, providers
+
+from .cache import HiCache
+from .config import HiCacheConfig
+from .controller.controller import CacheController
+from .io.direct import DirectIOBackend
+from .io.kernel import KernelIOBackend
+from .io.transfer import TransferEngine
+from .keys import Namespace
+from .policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
+from .policies.write import WriteBack, WriteThrough, WriteThroughSelective
+from .radix_tree import HiRadixTree
+from .tiers.base import KVGeometry
+from .tiers.device import DevicePool
+from .tiers.host import HostPool
+
+__all__ = ["Container", "geometry_from_config"]
+
+
+def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
+    m = config.model
+    return KVGeometry(
+        components=m.kv_components,
+        num_layers=m.num_layers,
+        page_size=config.page_size,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        dtype=m.torch_dtype,
+    )
+
+
+class Container(containers.DeclarativeContainer):
+    config = providers.Dependency(instance_of=HiCacheConfig)
+
+    geometry = providers.Singleton(geometry_from_config, config)
+    namespace = providers.Singleton(Namespace.from_config, config)
+    tree = providers.Singleton(
+        HiRadixTree,
+        page_size=config.provided.page_size,
+        namespace_digest=namespace.provided.digest,
+    )
+
+    device_pool = providers.Singleton(
+        DevicePool,
+        geometry,
+        capacity_bytes=config.provided.tiers.device.capacity,
+        device=config.provided.tiers.device.device,
+    )
+    host_pool = providers.Singleton(
+        HostPool,
+        geometry,
+        capacity_bytes=config.provided.tiers.host.capacity,
+        layout=config.provided.tiers.host.layout,
+        pin_memory=config.provided.tiers.host.pin_memory,
+    )
+
+    io_backend = providers.Selector(
+        config.provided.io.backend,
+        kernel=providers.Singleton(KernelIOBackend),
+        direct=providers.Singleton(DirectIOBackend),
+    )
+    transfer_engine = providers.Singleton(TransferEngine, io_backend, device_pool, host_pool)
+
+    eviction_policy = providers.Selector(
+        config.provided.policies.eviction,
+        lru=providers.Singleton(LRUPolicy),
+        lfu=providers.Singleton(LFUPolicy),
+        fifo=providers.Singleton(FIFOPolicy),
+        priority=providers.Singleton(PriorityPolicy),
+    )
+    write_policy = providers.Selector(
+        config.provided.policies.write,
+        write_through=providers.Singleton(WriteThrough),
+        write_through_selective=providers.Singleton(
+            WriteThroughSelective, threshold=config.provided.policies.write_threshold
+        ),
+        write_back=providers.Singleton(WriteBack),
+    )
+
+    controller = providers.Singleton(
+        CacheController,
+        tree=tree,
+        device=device_pool,
+        host=host_pool,
+        engine=transfer_engine,
+        eviction_policy=eviction_policy,
+        write_policy=write_policy,
+        io_threads=config.provided.controller.io_threads,
+        backup_queue=config.provided.controller.backup_queue,
+        load_queue=config.provided.controller.load_queue,
+        high_watermark=config.provided.controller.high_watermark,
+        low_watermark=config.provided.controller.low_watermark,
+        shutdown_timeout_s=config.provided.controller.shutdown_timeout_s,
+        layerwise=config.provided.io.layerwise,
+    )
+
+    cache = providers.Singleton(HiCache, config, controller, namespace)

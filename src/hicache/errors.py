@@ -1,0 +1,65 @@
+"""Every error hicache raises, in one place.
+
+The tree::
+
+    HiCacheError
+    ├── ConfigError              a config file, environment override or dict is invalid
+    ├── InvalidRequestError      a call's arguments are wrong; the cache is unchanged
+    │   ├── InvalidTokensError   token ids are not a 1-D sequence of non-negative integers
+    │   └── InvalidKVError       a kv tensor has the wrong shape, dtype or length
+    ├── CapacityError            a tier cannot make room (everything is leased)
+    ├── CacheClosedError         the cache is not open (never entered, or already closed)
+    └── WorkerFailedError        a background worker failed; the cache is unusable
+
+Callers that can degrade (recompute instead of reusing KV) catch ``HiCacheError``; programming
+errors (``TypeError`` from misuse of an internal API, ``AssertionError``) are not wrapped.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HiCacheError",
+    "ConfigError",
+    "InvalidRequestError",
+    "InvalidTokensError",
+    "InvalidKVError",
+    "CapacityError",
+    "CacheClosedError",
+    "WorkerFailedError",
+]
+
+
+class HiCacheError(Exception):
+    """Base class of every error hicache raises on purpose."""
+
+
+class ConfigError(HiCacheError, ValueError):
+    """Raised when configuration is invalid; the message names the offending field."""
+
+
+class InvalidRequestError(HiCacheError, ValueError):
+    """Raised when a public call gets bad arguments. The cache state is left unchanged."""
+
+
+class InvalidTokensError(InvalidRequestError):
+    """Raised when token ids are not a 1-D sequence of non-negative integers."""
+
+
+class InvalidKVError(InvalidRequestError):
+    """Raised when a kv tensor does not match the configured geometry, dtype or token count."""
+
+
+class CapacityError(HiCacheError):
+    """Raised when a tier cannot free enough pages because the rest are leased or in flight."""
+
+
+class CacheClosedError(HiCacheError, RuntimeError):
+    """Raised when the cache is used outside ``async with HiCache(...)``."""
+
+
+class WorkerFailedError(HiCacheError, RuntimeError):
+    """Raised when a background worker (backup, load-back, eviction) has failed.
+
+    The original exception is chained as ``__cause__``. Once a worker fails, every later call on
+    the cache raises this error too: a cache never keeps serving with a dead worker.
+    """

@@ -1,0 +1,167 @@
+"""Leases: what a caller holds while it uses pages of the cache.
+
+Both are async context managers. While one is held its pages cannot be evicted or freed; on exit
+(normal, error or cancellation) everything it held is released. Nothing here is reference-counted
+by hand by the caller.
+
+* ``RetrieveView`` (from ``HiCache.retrieve``): the KV of the longest cached prefix, on the device
+  tier, arriving layer by layer.
+* ``SlotReservation`` (from ``HiCache.reserve``): fresh device pages an engine writes KV into in
+  place (zero-copy), then commits to the cache under their token ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import InvalidRequestError, WorkerFailedError
+
+if TYPE_CHECKING:
+    from .controller.jobs import LoadJob
+    from .radix_tree import Pin
+    from .tiers.device import DevicePool
+
+__all__ = ["RetrieveView", "SlotReservation", "Lease"]
+
+
+class RetrieveView:
+    """The cached prefix of a retrieve, pinned on the device tier until the block exits.
+
+    ``tokens`` is the prefix length (whole pages). ``wait_layer(i)`` returns once layer ``i`` is on
+    the device (earlier layers may be read while later ones still load); ``layer(i)`` returns the
+    per-component tensors ``[tokens, H, D]`` (``(k, v)``; ``(latent,)`` for MLA) as a copy.
+    Engines that read the device pool directly use ``device_pages`` / ``slot_indices`` instead.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokens: int,
+        by_tier: Mapping[str, int],
+        device_pages: list[int],
+        jobs: list[LoadJob],
+        pin: Pin | None,
+        device_pool: DevicePool,
+        read_layer: Callable[[list[int], int], tuple[torch.Tensor, ...]],
+        check_open: Callable[[], None],
+    ) -> None:
+        self.tokens = tokens
+        self.by_tier = MappingProxyType(dict(by_tier))
+        self.device_pages = device_pages
+        self._jobs = jobs
+        self._pin = pin
+        self._device_pool = device_pool
+        self._read_layer = read_layer
+        self._check_open = check_open
+        self._released = False
+        self._num_layers = device_pool.geometry.num_layers
+
+    @property
+    def slot_indices(self) -> torch.Tensor:
+        """Token slot indices of the prefix in ``cache.device_kv`` viewed as ``[C, L, slots, H, D]``."""
+        return self._device_pool.token_slots(self.device_pages)
+
+    def _check_layer(self, layer: int) -> None:
+        if self._released:
+            raise InvalidRequestError("this RetrieveView was released when its `async with` block exited")
+        if not 0 <= layer < self._num_layers:
+            raise InvalidRequestError(f"layer must be in [0, {self._num_layers}), got {layer}")
+
+    async def wait_layer(self, layer: int) -> None:
+        """Return once ``layer`` of the whole prefix is on the device tier."""
+        self._check_layer(layer)
+        for job in self._jobs:
+            await job.wait_layer(layer)
+            if job.error is not None:
+                self._check_open()  # raises WorkerFailedError when the load worker died
+                raise WorkerFailedError(f"load-back failed: {job.error!r}") from job.error
+
+    async def wait_all(self) -> None:
+        await self.wait_layer(self._num_layers - 1)
+        for job in self._jobs:
+            await job.finished.wait()
+
+    def is_layer_ready(self, layer: int) -> bool:
+        self._check_layer(layer)
+        return all(job.is_ready(layer) for job in self._jobs)
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """Per-component KV of ``layer``: ``(k, v)`` each ``[tokens, H, D]`` (MLA: ``(latent,)``)."""
+        if not self.is_layer_ready(layer):
+            raise InvalidRequestError(f"layer {layer} has not arrived yet: `await view.wait_layer({layer})` first")
+        return self._read_layer(self.device_pages, layer)
+
+    def release(self) -> None:
+        """Unpin the prefix (idempotent); called when the ``async with`` block exits."""
+        if not self._released:
+            self._released = True
+            if self._pin is not None:
+                self._pin.release()
+
+    async def arelease(self) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<RetrieveView tokens={self.tokens} by_tier={dict(self.by_tier)} released={self._released}>"
+
+
+class Lease:
+    """Turns an ``acquire`` coroutine and a ``release`` method into an async context manager."""
+
+    def __init__(self, acquire: Callable[[], Awaitable[Any]]) -> None:
+        self._acquire = acquire
+        self._value: Any = None
+
+    async def __aenter__(self) -> Any:
+        if self._value is not None:
+            raise RuntimeError("a lease can be entered only once")
+        self._value = await self._acquire()
+        return self._value
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._value.arelease()
+
+
+class SlotReservation:
+    """Fresh device pages reserved for an engine to write KV into in place.
+
+    Write the KV of pages ``first_page..first_page + len(pages)`` of a token sequence into
+    ``cache.device_kv[:, :, pages]`` (or through ``slot_indices``), then ``await commit(tokens,
+    first_page)``: the pages join the cache (those already cached by then are freed instead). Pages
+    not committed are freed when the block exits.
+    """
+
+    def __init__(
+        self,
+        pages: list[int],
+        device_pool: DevicePool,
+        commit: Callable[[Any, int, list[int], int], Awaitable[int]],
+        free: Callable[[list[int]], None],
+    ) -> None:
+        self.pages = pages
+        self._device_pool = device_pool
+        self._commit = commit
+        self._free = free
+        self._owned = True
+
+    @property
+    def slot_indices(self) -> torch.Tensor:
+        return self._device_pool.token_slots(self.pages)
+
+    async def commit(self, tokens: Any, first_page: int = 0, *, priority: int = 0) -> int:
+        """Hand the pages to the cache as pages ``first_page..`` of ``tokens``; return tokens added."""
+        if not self._owned:
+            raise InvalidRequestError("this reservation was already committed or released")
+        self._owned = False
+        return await self._commit(tokens, first_page, self.pages, priority)
+
+    async def arelease(self) -> None:
+        if self._owned:
+            self._owned = False
+            self._free(self.pages)

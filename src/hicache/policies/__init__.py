@@ -1,0 +1,17 @@
+"""Eviction and write policies."""
+
+from .base import EvictionPolicy, WritePolicy
+from .eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
+from .write import WriteBack, WriteThrough, WriteThroughSelective
+
+__all__ = [
+    "EvictionPolicy",
+    "WritePolicy",
+    "LRUPolicy",
+    "LFUPolicy",
+    "FIFOPolicy",
+    "PriorityPolicy",
+    "WriteThrough",
+    "WriteThroughSelective",
+    "WriteBack",
+]

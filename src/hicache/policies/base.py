@@ -1,0 +1,42 @@
+"""Policy interfaces: which pages to evict first, and when to copy pages down a tier.
+
+Policies are pure decisions over tree nodes; the controller does the moving. An eviction policy only
+gives a sort key (smallest evicted first), so every policy shares one correct eviction loop that
+already honours leases, in-flight transfers and prefix-closedness.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..radix_tree import TreeNode
+
+__all__ = ["EvictionPolicy", "WritePolicy"]
+
+
+class EvictionPolicy(ABC):
+    """Orders eviction candidates: the node with the smallest key goes first."""
+
+    name: str = "eviction"
+
+    @abstractmethod
+    def key(self, node: TreeNode) -> Any:
+        """Sort key of a candidate node."""
+
+
+class WritePolicy(ABC):
+    """When device pages are copied to the host tier."""
+
+    name: str = "write"
+    #: Copy a node's pages to host when it is evicted from the device without a host copy.
+    spill_on_evict: bool = False
+
+    @abstractmethod
+    def backup_on_insert(self, node: TreeNode) -> bool:
+        """Back up a node right after it was stored?"""
+
+    @abstractmethod
+    def backup_on_hit(self, node: TreeNode) -> bool:
+        """Back up a node after a hit (``node.hit_count`` already counts it)?"""

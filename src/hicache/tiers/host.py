@@ -1,0 +1,47 @@
+"""The host pool: a larger CPU buffer holding copies of device pages and pages evicted from it.
+
+Two layouts: ``page_first`` ``[pages, C, L, page_size, H, D]`` (a page is contiguous: the shape that
+storage tiers read and write in one piece) and ``layer_first`` ``[C, L, pages, page_size, H, D]``
+(same as the device, cheapest per-layer load-back). Pinned when CUDA is present so that copies to
+the device can be asynchronous.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .base import KVGeometry, MemoryTier
+
+__all__ = ["HostPool"]
+
+
+class HostPool(MemoryTier):
+    name = "host"
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        capacity_bytes: int,
+        layout: Literal["page_first", "layer_first"] = "page_first",
+        pin_memory: bool | Literal["auto"] = "auto",
+    ) -> None:
+        super().__init__(geometry, capacity_bytes, torch.device("cpu"))
+        self.layout = layout
+        self.pin_memory = torch.cuda.is_available() if pin_memory == "auto" else bool(pin_memory)
+
+    def _allocate_buffer(self) -> torch.Tensor:
+        g = self.geometry
+        if self.layout == "page_first":
+            shape = (self.num_pages, g.components, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim)
+        else:
+            shape = (g.components, g.num_layers, self.num_pages, g.page_size, g.num_kv_heads, g.head_dim)
+        # torch.empty: untouched host pages cost nothing until first written.
+        return torch.empty(shape, dtype=g.dtype, pin_memory=self.pin_memory)
+
+    def page_major(self) -> torch.Tensor:
+        g = self.geometry
+        if self.layout == "page_first":
+            return self.buffer.view(self.num_pages, g.components, g.num_layers, g.page_elems)
+        return self.buffer.view(g.components, g.num_layers, self.num_pages, g.page_elems).permute(2, 0, 1, 3)
