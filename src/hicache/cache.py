@@ -194,11 +194,12 @@ class HiCache(anyio.AsyncContextManagerMixin):
             # node: nothing can be attached without a gap or a broken invariant.
             skip = len(dev) + len(host)
         skip = min(skip, usable)
-        keep_dev = dev[skip:usable] if skip < len(dev) else []
-        host_from = max(0, skip - len(dev))
-        keep_host = host[host_from : max(0, usable - len(dev))]
-        ctl.device.allocator.free([p for p in dev if p not in set(keep_dev)])
-        ctl.host.allocator.free([p for p in host if p not in set(keep_host)])
+        slots = [(True, p) for p in dev] + [(False, p) for p in host]  # (on device?, page)
+        kept, dropped = slots[skip:usable], slots[:skip] + slots[usable:]
+        ctl.device.allocator.free([p for on_dev, p in dropped if on_dev])
+        ctl.host.allocator.free([p for on_dev, p in dropped if not on_dev])
+        keep_dev = [p for on_dev, p in kept if on_dev]
+        keep_host = [p for on_dev, p in kept if not on_dev]
         nodes: list[TreeNode] = []
         pos = first + skip
         for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
@@ -242,7 +243,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
             host_only = [nd for nd in path if nd.device is None]
             if host_only:
                 dev = await ctl.evictor.alloc_device(sum(nd.num_pages for nd in host_only), partial=True)
-                # Awaiting may have let another retrieve start loading some of them: re-check.
+                # While we awaited, other calls may have split nodes of the path or started loading
+                # some of them; the pin kept them all, so re-derive the path from its deepest node.
+                path = ctl.tree.path_to(path[-1])
                 host_only = [nd for nd in path if nd.device is None]
                 path, host_only, dev = self._fit_load(path, host_only, dev)
                 if pin is not None and (not path or path[-1] is not pin.node):

@@ -233,6 +233,15 @@ class HiRadixTree:
             yield node
             stack.extend(node.children.values())
 
+    def path_to(self, node: TreeNode | None) -> list[TreeNode]:
+        """Nodes from the root's child down to ``node`` (re-derived: splits may have added some)."""
+        path: list[TreeNode] = []
+        while node is not None and node is not self.root:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
     @staticmethod
     def covering(node: TreeNode, keys: list[bytes]) -> list[tuple[TreeNode, int, int]]:
         """The nodes that now hold the pages ``keys`` that ``node`` held when a job started.
