@@ -169,6 +169,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ctl.counters.dropped_pages += need - stored
         ctl.counters.bytes_moved["user_to_device"] += len(dev) * self._geometry.page_bytes
         ctl.counters.bytes_moved["user_to_host"] += len(host) * self._geometry.page_bytes
+        ctl.kick_eviction()
         await self._backup_new(nodes)
         return StoreResult(stored * self._page_size, first * self._page_size, (need - stored) * self._page_size)
 

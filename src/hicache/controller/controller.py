@@ -98,7 +98,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.jobs = JobTracker()
         self.evictor = Evictor(
             self.tree, self.device, self.host, self.engine, self.eviction_policy, self.write_policy,
-            self.counters, self.limiter, on_device_alloc=self._kick_eviction,
+            self.counters, self.limiter, on_device_alloc=self.kick_eviction,
         )
         backup_send, backup_recv = anyio.create_memory_object_stream[BackupJob](self.backup_queue)
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
@@ -147,7 +147,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             raise CacheClosedError("the cache is not open: use `async with HiCache.from_config(...) as cache`")
 
     async def wait_idle(self) -> None:
-        """Wait until every queued backup and load-back has finished."""
+        """Wait until every queued backup, load-back and watermark eviction has finished."""
         self.check_open()
         await self.jobs.wait_idle()
 
@@ -233,6 +233,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
                 self._finish_backup(job, None)
         self.counters.backups += len(src)
         self.counters.bytes_moved["device_to_host"] += len(src) * self.device.geometry.page_bytes
+        self.kick_eviction()  # backed-up pages may now be evicted for free
 
     # -- load-back (host -> device) -------------------------------------------------------------
 
@@ -282,6 +283,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             self.counters.bytes_moved["host_to_device"] += len(job.device_pages) * self.device.geometry.page_bytes
         job.pin.release()
         self.jobs.done()
+        self.kick_eviction()
 
     async def _load_worker(self, receive: MemoryObjectReceiveStream[LoadJob]) -> None:
         loop = asyncio.get_running_loop()
@@ -304,16 +306,21 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     # -- watermark eviction ---------------------------------------------------------------------
 
-    def _kick_eviction(self) -> None:
+    def kick_eviction(self) -> None:
+        """Wake the eviction worker if the device is above its high watermark."""
         if self.device.num_pages and self.device.used_pages > self.high_watermark * self.device.num_pages:
             try:
                 self._evict_send.send_nowait(None)
             except (anyio.WouldBlock, anyio.ClosedResourceError):
-                pass  # already kicked, or shutting down
+                return  # already kicked, or shutting down
+            self.jobs.add()
 
     async def _eviction_worker(self, receive: MemoryObjectReceiveStream[None]) -> None:
         async for _ in receive:
-            target = int(self.low_watermark * self.device.num_pages)
-            excess = self.device.used_pages - target
-            if excess > 0:
-                await self.evictor.evict_device(excess)
+            try:
+                target = int(self.low_watermark * self.device.num_pages)
+                excess = self.device.used_pages - target
+                if excess > 0:
+                    await self.evictor.evict_device(excess)
+            finally:
+                self.jobs.done()
