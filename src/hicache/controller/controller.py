@@ -96,9 +96,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
             raise RuntimeError("controller is already open")
         self.limiter = anyio.CapacityLimiter(self.io_threads)
         self.jobs = JobTracker()
+        self.backup_jobs = JobTracker()
         self.evictor = Evictor(
             self.tree, self.device, self.host, self.engine, self.eviction_policy, self.write_policy,
             self.counters, self.limiter, on_device_alloc=self.kick_eviction,
+            backups_in_flight=lambda: self.backup_jobs.count, wait_backups=self.backup_jobs.wait_idle,
         )
         backup_send, backup_recv = anyio.create_memory_object_stream[BackupJob](self.backup_queue)
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
@@ -168,6 +170,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         assert node.device is not None
         node.backing_up = True
         self.jobs.add()
+        self.backup_jobs.add()
         return BackupJob(node, list(node.keys), list(node.device), Pin(node))
 
     def _finish_backup(self, job: BackupJob, host_pages: list[int] | None) -> None:
@@ -176,6 +179,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             if host_pages is not None:
                 covered.host = host_pages[start:end]
         job.pin.release()
+        self.backup_jobs.done()
         self.jobs.done()
 
     async def submit_backup(self, node: TreeNode, *, wait: bool = True) -> bool:

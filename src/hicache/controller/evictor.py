@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import anyio
 
@@ -43,6 +43,8 @@ class Evictor:
         counters: Counters,
         limiter: anyio.CapacityLimiter,
         on_device_alloc: Callable[[], None] = lambda: None,
+        backups_in_flight: Callable[[], int] = lambda: 0,
+        wait_backups: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.tree = tree
         self.device = device
@@ -53,6 +55,8 @@ class Evictor:
         self.counters = counters
         self.limiter = limiter
         self.on_device_alloc = on_device_alloc
+        self.backups_in_flight = backups_in_flight
+        self.wait_backups = wait_backups or anyio.lowlevel.checkpoint
         self._device_lock = anyio.Lock()
 
     # -- allocation -----------------------------------------------------------------------------
@@ -65,7 +69,14 @@ class Evictor:
         """
         for _ in range(3):  # pages freed during a spill may be taken by another task; retry
             short = n - self.device.free_pages
-            if short <= 0 or await self.evict_device(short) == 0:
+            if short <= 0:
+                break
+            if await self.evict_device(short) < short and self.backups_in_flight():
+                # Pages still being backed up become evictable (for free) once their copy is
+                # done: waiting for it beats truncating a retrieve or dropping a store.
+                await self.wait_backups()
+                continue
+            if self.device.free_pages < n and not self.backups_in_flight():
                 break
         k = min(n, self.device.free_pages) if partial else n
         pages = self.device.allocator.allocate(k)
