@@ -1,0 +1,35 @@
+"""The ``hicache`` command: ``hicache demo`` and ``hicache config [PATH]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicache", description="A hierarchical KV cache for LLM engines.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="run the API tour (what `make run` runs)")
+    demo.add_argument("args", nargs=argparse.REMAINDER)
+    show = sub.add_parser("config", help="validate a config file and print it with every default filled in")
+    show.add_argument("path", nargs="?", default=None)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        demo_main(args.args)
+        return 0
+    from .config import load_config
+
+    try:
+        print(load_config(args.path).to_yaml(), end="")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
