@@ -11,16 +11,16 @@ from .errors import ConfigError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hicache", description="A hierarchical KV cache for LLM engines.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the API tour (what `make run` runs)")
-    demo.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("demo", help="run the API tour (what `make run` runs); `hicache demo --help` for options")
     show = sub.add_parser("config", help="validate a config file and print it with every default filled in")
     show.add_argument("path", nargs="?", default=None)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 
-        demo_main(args.args)
+        demo_main(argv[1:])
         return 0
+    args = parser.parse_args(argv)
     from .config import load_config
 
     try:
