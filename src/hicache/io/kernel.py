@@ -76,6 +76,18 @@ class KernelIOBackend(IOBackend):
             moved = staged.to(dst.device, non_blocking=dst.device.type == "cuda")
             dst.index_copy_(0, plan.dst_idx, moved)
             return
+        if src.dim() == 3 and not (src[0].is_contiguous() and dst[0].is_contiguous()):
+            # A layer view [pages, C, E] whose page rows are strided (K and V apart): index_select
+            # takes its memcpy path only for contiguous rows, so move one component plane at a time
+            # -- unless runs are so many that C times the calls would cost more than it saves.
+            if (src.shape[1] - 1) * len(plan.runs) <= len(plan.src_idx) // 4:
+                for src_plane, dst_plane in zip(src.unbind(1), dst.unbind(1), strict=True):
+                    self._copy_runs(src_plane, dst_plane, plan)
+                return
+        self._copy_runs(src, dst, plan)
+
+    @staticmethod
+    def _copy_runs(src: torch.Tensor, dst: torch.Tensor, plan: _Plan) -> None:
         for run in plan.runs:
             out = dst[run.dst_start : run.dst_start + run.length]
             if run.src_start is not None:
