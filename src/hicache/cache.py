@@ -255,10 +255,15 @@ class HiCache(anyio.AsyncContextManagerMixin):
                 if host_only:
                     loaded = len(dev)
                     jobs.append(await ctl.submit_load(host_only, dev, path[-1]))
+                    # Awaiting the queue let other calls split nodes again: re-derive once more.
+                    path = ctl.tree.path_to(pin.node if pin is not None else None)
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
                 if job not in jobs:
                     jobs.append(job)
             self._touch(path)
+            # Fixed now: the pages are pinned, so later splits cannot change what the view holds.
+            hit_pages = sum(nd.num_pages for nd in path)
+            device_pages = [p for nd in path for p in (nd.device or [])]
             for node in path:
                 if ctl.write_policy.backup_on_hit(node):
                     await ctl.submit_backup(node, wait=False)
@@ -266,13 +271,12 @@ class HiCache(anyio.AsyncContextManagerMixin):
             if pin is not None:
                 pin.release()
             raise
-        hit_pages = sum(nd.num_pages for nd in path)
         device_tokens = (hit_pages - loaded) * ps
         self._count_retrieve(num_tokens, device_tokens, loaded * ps)
         return RetrieveView(
             tokens=hit_pages * ps,
             by_tier={"device": device_tokens, "host": loaded * ps},
-            device_pages=[p for nd in path for p in (nd.device or [])],
+            device_pages=device_pages,
             jobs=jobs,
             pin=pin,
             device_pool=ctl.device,
