@@ -46,7 +46,7 @@ def test_split_keeps_keys_chained_and_pins_consistent() -> None:
     (node,) = tree.nodes()
     keys = list(node.keys)
     pin = Pin(node)
-    prefix = tree._split(node, 1)
+    prefix = tree.split(node, 1)
     assert prefix.keys + node.keys == keys and prefix.lock_ref == 1 and node.parent is prefix
     assert tree.covering(node, keys) == [(node, 1, 3), (prefix, 0, 1)]
     pin.release()

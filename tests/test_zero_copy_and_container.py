@@ -6,7 +6,7 @@ import pytest
 import torch
 from dependency_injector import providers
 
-from hicache import CapacityError, HiCache
+from hicache import CapacityError, HiCache, InvalidRequestError, InvalidTokensError
 from hicache.containers import Container
 from hicache.io.direct import DirectIOBackend
 from hicache.policies import LFUPolicy, WriteBack
@@ -94,5 +94,22 @@ async def test_cuda_round_trip_through_host(io: str) -> None:
                     await view.wait_layer(layer)
                     k, v = view.layer(layer)
                     assert k.is_cuda and torch.equal(k.cpu(), kv[0, layer]) and torch.equal(v.cpu(), kv[1, layer])
+        await cache.wait_idle()
+        assert_consistent(cache)
+
+
+async def test_commit_with_bad_tokens_keeps_the_reservation() -> None:
+    config = make_config(8, 32)
+    async with HiCache.from_config(config) as cache:
+        async with cache.reserve(2) as reservation:
+            with pytest.raises(InvalidTokensError):
+                await reservation.commit([1, -1, 2, 3])
+            with pytest.raises(InvalidRequestError, match="first_page"):
+                await reservation.commit(make_tokens(8), first_page=-1)
+            assert cache.controller.device.used_pages == 2
+            assert await reservation.commit(make_tokens(8)) == 8
+            with pytest.raises(InvalidRequestError, match="already committed"):
+                await reservation.commit(make_tokens(8))
+        assert cache.controller.device.used_pages == 2
         await cache.wait_idle()
         assert_consistent(cache)

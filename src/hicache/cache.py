@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from .errors import InvalidKVError
+from .errors import InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
 from .leases import Lease, RetrieveView, SlotReservation
 from .radix_tree import Pin, TreeNode
@@ -301,7 +301,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
                 room -= node.num_pages
                 continue
             if room > 0:
-                kept.append(ctl.tree._split(node, room))  # load the prefix that fits
+                kept.append(ctl.tree.split(node, room))  # load the prefix that fits
                 room = 0
             break
         cut = path.index(host_only[0])
@@ -334,8 +334,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
         """Lease ``num_pages`` fresh device pages to write KV into in place (see ``SlotReservation``)."""
         self.controller.check_open()
         if not isinstance(num_pages, int) or num_pages < 0:
-            from .errors import InvalidRequestError
-
             raise InvalidRequestError(f"num_pages must be a non-negative int, got {num_pages!r}")
 
         async def acquire() -> SlotReservation:
@@ -344,17 +342,17 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
         return Lease(acquire)
 
-    async def _commit(self, tokens: Any, first_page: int, pages: list[int], priority: int) -> int:
+    async def _commit(self, reservation: SlotReservation, tokens: Any, first_page: int, priority: int) -> int:
         ctl = self.controller
-        try:
-            ctl.check_open()
-            tb = as_token_bytes(tokens)
-        except BaseException:
-            ctl.device.allocator.free(pages)
-            raise
-        nodes = self._insert(tb, first_page, pages, [], priority)
+        ctl.check_open()
+        tb = as_token_bytes(tokens)
+        if not isinstance(first_page, int) or first_page < 0:
+            raise InvalidRequestError(f"first_page must be a non-negative int, got {first_page!r}")
+        # Validated: from here the pages belong to the cache (published or freed by _insert).
+        nodes = self._insert(tb, first_page, reservation.hand_over(), [], priority)
         stored = sum(nd.num_pages for nd in nodes)
         ctl.counters.stored_pages += stored
+        ctl.kick_eviction()
         await self._backup_new(nodes)
         return stored * self._page_size
 

@@ -64,6 +64,7 @@ class Container(containers.DeclarativeContainer):
         capacity_bytes=config.provided.tiers.host.capacity,
         layout=config.provided.tiers.host.layout,
         pin_memory=config.provided.tiers.host.pin_memory,
+        device_tier=device_pool.provided.device,
     )
 
     io_backend = providers.Selector(

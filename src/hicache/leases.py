@@ -141,7 +141,7 @@ class SlotReservation:
         self,
         pages: list[int],
         device_pool: DevicePool,
-        commit: Callable[[Any, int, list[int], int], Awaitable[int]],
+        commit: Callable[[SlotReservation, Any, int, int], Awaitable[int]],
         free: Callable[[list[int]], None],
     ) -> None:
         self.pages = pages
@@ -155,11 +155,19 @@ class SlotReservation:
         return self._device_pool.token_slots(self.pages)
 
     async def commit(self, tokens: Any, first_page: int = 0, *, priority: int = 0) -> int:
-        """Hand the pages to the cache as pages ``first_page..`` of ``tokens``; return tokens added."""
+        """Hand the pages to the cache as pages ``first_page..`` of ``tokens``; return tokens added.
+
+        Bad arguments raise before anything changes; the reservation then still holds its pages.
+        """
         if not self._owned:
             raise InvalidRequestError("this reservation was already committed or released")
+        return await self._commit(self, tokens, first_page, priority)
+
+    def hand_over(self) -> list[int]:
+        """Give up ownership of the pages (the cache takes them); called once, by commit."""
+        assert self._owned
         self._owned = False
-        return await self._commit(tokens, first_page, self.pages, priority)
+        return self.pages
 
     async def arelease(self) -> None:
         if self._owned:

@@ -165,7 +165,7 @@ class HiRadixTree:
                 ):
                     matched += 1
             if matched < n and split:
-                child = self._split(child, matched)
+                child = self.split(child, matched)
             result.path.append(child)
             result.pages = pos + matched
             result.last_pages = matched
@@ -175,7 +175,7 @@ class HiRadixTree:
             pos += matched
         return result
 
-    def _split(self, node: TreeNode, at_pages: int) -> TreeNode:
+    def split(self, node: TreeNode, at_pages: int) -> TreeNode:
         """Split ``node`` after ``at_pages`` pages; return the new prefix node (the new parent)."""
         assert 0 < at_pages < node.num_pages
         pb = self.page_bytes

@@ -26,10 +26,13 @@ class HostPool(MemoryTier):
         capacity_bytes: int,
         layout: Literal["page_first", "layer_first"] = "page_first",
         pin_memory: bool | Literal["auto"] = "auto",
+        device_tier: torch.device | None = None,
     ) -> None:
         super().__init__(geometry, capacity_bytes, torch.device("cpu"))
         self.layout = layout
-        self.pin_memory = torch.cuda.is_available() if pin_memory == "auto" else bool(pin_memory)
+        # Pinning only pays when pages travel to a CUDA device tier (asynchronous copies).
+        auto = device_tier is not None and device_tier.type == "cuda"
+        self.pin_memory = auto if pin_memory == "auto" else bool(pin_memory)
 
     def _allocate_buffer(self) -> torch.Tensor:
         g = self.geometry
