@@ -100,3 +100,12 @@ async def test_view_misuse_is_reported() -> None:
             view.layer(0)
         with pytest.raises(InvalidRequestError, match="num_pages"):
             cache.reserve(-1)
+
+
+async def test_a_closed_cache_cannot_be_reopened() -> None:
+    cache = HiCache.from_config(make_config())
+    async with cache:
+        await cache.store(make_tokens(8), make_kv(make_config(), 8))
+    with pytest.raises(CacheClosedError, match="entered once"):
+        async with cache:
+            pass

@@ -80,6 +80,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.layerwise = layerwise
         self.failure: WorkerFailedError | None = None
         self._open = False
+        self._closed = False
         # Created on entry: anyio primitives need a running event loop.
         self.limiter: anyio.CapacityLimiter
         self.evictor: Evictor
@@ -92,8 +93,10 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[CacheController]:
-        if self._open:
-            raise RuntimeError("controller is already open")
+        if self._open or self._closed:
+            # Reopening would hand out pages of a buffer that was freed at close.
+            raise CacheClosedError("a cache can be entered once; build a new one with HiCache.from_config")
+        self._closed = True
         self.limiter = anyio.CapacityLimiter(self.io_threads)
         self.jobs = JobTracker()
         self.backup_jobs = JobTracker()
@@ -263,9 +266,13 @@ class CacheController(anyio.AsyncContextManagerMixin):
             offset += nd.num_pages
         self.jobs.add()
         try:
-            await self._load_send.send(job)
-        except BaseException as exc:
-            self._finish_load(job, exc)
+            # Shielded: other retrieves may already have joined this job (through node.loading),
+            # so a cancelled submitter must not take it down with it. The wait is bounded by the
+            # load worker draining its queue.
+            with anyio.CancelScope(shield=True):
+                await self._load_send.send(job)
+        except BaseException as exc:  # the queue closed: the cache is shutting down
+            self._finish_load(job, CacheClosedError(f"load-back not started: {exc!r}"))
             raise
         return job
 
