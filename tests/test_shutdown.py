@@ -29,7 +29,7 @@ async def test_close_gives_up_on_backups_after_the_deadline() -> None:
         original = cache.controller.engine.device_to_host
 
         def slow_backup(*args: object) -> None:
-            time.sleep(0.8)  # a slow disk-backed host tier, say
+            time.sleep(1.0)  # a slow disk-backed host tier, say
             original(*args)
 
         cache.controller.engine.device_to_host = slow_backup  # type: ignore[method-assign]
@@ -38,7 +38,7 @@ async def test_close_gives_up_on_backups_after_the_deadline() -> None:
             await anyio.sleep(0.01)  # let the worker take the first job alone
         start = time.monotonic()
     elapsed = time.monotonic() - start
-    # Without the deadline the two slow copies (one job, then a batch of five) would take 1.6 s. The copy that is
+    # Without the deadline the two slow copies (one job, then a batch of five) would take 2 s. The copy that is
     # running when the deadline passes finishes (its pages are written in place), the rest are dropped.
-    assert elapsed < 1.3
+    assert elapsed < 1.6
     assert cache.stats().backups < 12
