@@ -22,12 +22,9 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .keys import TOKEN_BYTES, TokenBytes, chain_keys
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["TreeNode", "HiRadixTree", "MatchResult", "Pin"]
 

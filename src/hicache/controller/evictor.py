@@ -71,13 +71,13 @@ class Evictor:
             short = n - self.device.free_pages
             if short <= 0:
                 break
-            if await self.evict_device(short) < short and self.backups_in_flight():
-                # Pages still being backed up become evictable (for free) once their copy is
-                # done: waiting for it beats truncating a retrieve or dropping a store.
-                await self.wait_backups()
-                continue
-            if self.device.free_pages < n and not self.backups_in_flight():
-                break
+            if await self.evict_device(short) >= short:
+                continue  # re-check: another task may have taken pages while we spilled
+            if not self.backups_in_flight():
+                break  # everything else is leased or in flight: give what there is
+            # Pages still being backed up become evictable (for free) once their copy is done:
+            # waiting for it beats truncating a retrieve or dropping a store.
+            await self.wait_backups()
         k = min(n, self.device.free_pages) if partial else n
         pages = self.device.allocator.allocate(k)
         if pages:

@@ -34,7 +34,7 @@ class _Run:
 class _Plan:
     runs: tuple[_Run, ...]
     src_idx: torch.Tensor  # on the source device (cross-device path)
-    dst_idx: torch.Tensor  # on the destination device (cross-device path)
+    dst_idx: torch.Tensor | None  # on the destination device (cross-device path only)
     cross_device: bool
 
 
@@ -66,7 +66,7 @@ class KernelIOBackend(IOBackend):
                 else _Run(dst_idx[i], j - i, None, src_all[i:j])
             )
             i = j
-        return _Plan(tuple(runs), src_all, src_all, False)
+        return _Plan(tuple(runs), src_all, None, False)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor, plan: _Plan, *, layer: int | None = None) -> None:
         if plan.cross_device:
@@ -74,6 +74,7 @@ class KernelIOBackend(IOBackend):
             # Blocking for D2H: the host scatter below must see the data. H2D from a CPU tensor
             # is ordered on the current stream.
             moved = staged.to(dst.device, non_blocking=dst.device.type == "cuda")
+            assert plan.dst_idx is not None
             dst.index_copy_(0, plan.dst_idx, moved)
             return
         if src.dim() == 3 and not (src[0].is_contiguous() and dst[0].is_contiguous()):
