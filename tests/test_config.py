@@ -253,7 +253,7 @@ def test_env_keeps_strings_for_string_fields() -> None:
 
 def test_env_list_value() -> None:
     cfg = load_config(env={"HICACHE_TIERS__STORAGE": "[{kind: file, path: /tmp/x}]"})
-    assert cfg.tiers.storage == [{"kind": "file", "path": "/tmp/x"}]
+    assert [(t.kind, t.options) for t in cfg.tiers.storage] == [("file", {"path": "/tmp/x"})]
 
 
 def test_env_ignores_unrelated_variables() -> None:
@@ -290,9 +290,9 @@ def test_deep_merge_keeps_siblings(tmp_path: Path) -> None:
 
 
 def test_lists_are_replaced_whole(tmp_path: Path) -> None:
-    path = write(tmp_path, "tiers:\n  storage: [{kind: a}, {kind: b}]\n")
-    cfg = load_config(path, {"tiers": {"storage": [{"kind": "c"}]}}, env={})
-    assert cfg.tiers.storage == [{"kind": "c"}]
+    path = write(tmp_path, "tiers:\n  storage: [{kind: memory, name: a}, {kind: memory, name: b}]\n")
+    cfg = load_config(path, {"tiers": {"storage": [{"kind": "memory", "name": "c"}]}}, env={})
+    assert [t.tier_name for t in cfg.tiers.storage] == ["c"]
 
 
 def test_overrides_does_not_mutate_input() -> None:
@@ -310,22 +310,22 @@ def test_var_substitution(tmp_path: Path) -> None:
         "tenant_salt: ${SALT}\n"
         "model: {name: 'm-${SUFFIX:-dflt}', revision: '${EMPTY:-r1}'}\n"
         "page_size: ${PS}\n"
-        "tiers:\n  storage: [{kind: redis, password: '${HICACHE_REDIS_PASSWORD}', note: 'x$${LIT}'}]\n",
+        "tiers:\n  storage: [{kind: file, path: '${CACHE_DIR}/x$${LIT}'}]\n",
     )
-    env = {"SALT": "tenant-a", "PS": "32", "EMPTY": "", "HICACHE_REDIS_PASSWORD": "s3cret"}
+    env = {"SALT": "tenant-a", "PS": "32", "EMPTY": "", "CACHE_DIR": "/tmp/c"}
     cfg = load_config(path, env=env)
     assert cfg.tenant_salt == "tenant-a"
     assert cfg.model.name == "m-dflt" and cfg.model.revision == "r1"
     assert cfg.page_size == 32
-    assert cfg.tiers.storage == [{"kind": "redis", "password": "s3cret", "note": "x${LIT}"}]
+    assert cfg.tiers.storage[0].options == {"path": "/tmp/c/x${LIT}"}
 
 
 def test_var_substitution_missing_variable(tmp_path: Path) -> None:
-    path = write(tmp_path, "tiers:\n  storage:\n    - {kind: redis, password: '${HICACHE_REDIS_PASSWORD}'}\n")
+    path = write(tmp_path, "tiers:\n  storage:\n    - {kind: file, path: '${HICACHE_PAGES_DIR}'}\n")
     msg = config_error(path, env={})
     assert str(path) in msg
-    assert "HICACHE_REDIS_PASSWORD" in msg
-    assert "tiers.storage[0].password" in msg
+    assert "HICACHE_PAGES_DIR" in msg
+    assert "tiers.storage[0].path" in msg
 
 
 def test_var_substitution_bad_reference(tmp_path: Path) -> None:

@@ -137,7 +137,7 @@ async def test_leased_pages_are_never_evicted() -> None:
             assert freed == 3
             assert await where(cache, seq(1)) == "device"
             assert all(cache.controller.device.allocator.is_allocated(p) for p in view.device_pages)
-            cache.controller.evictor.evict_host(16)
+            await cache.controller.evictor.evict_host(16)
             assert await where(cache, seq(1)) == "device"
             assert_consistent(cache, [view._pin.node])
         assert await cache.controller.evictor.evict_device(4) == 1

@@ -323,7 +323,7 @@ class Machine:
             case EvictDevice():
                 await evictor.evict_device(op.pages)
             case EvictHost():
-                evictor.evict_host(op.pages)
+                await evictor.evict_host(op.pages)
             case Concurrent():
                 await self.concurrent(op)
         await self.check_step()

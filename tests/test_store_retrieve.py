@@ -156,7 +156,7 @@ async def test_stats_snapshot_is_frozen_and_counts_traffic() -> None:
         assert stats.backups == 4
         assert stats.tiers["device"].used_pages == 4 and stats.tiers["device"].capacity_pages == 16
         assert stats.tiers["device"].used_bytes == 4 * page_bytes
-        assert dict(stats.queue_depths) == {"backup": 0, "load": 0}
+        assert dict(stats.queue_depths) == {"backup": 0, "load": 0, "storage": 0, "prefetch": 0}
         with pytest.raises(AttributeError):
             stats.stores = 5  # type: ignore[misc]
         with pytest.raises(TypeError):

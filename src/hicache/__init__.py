@@ -10,11 +10,16 @@ from .errors import (
     InvalidKVError,
     InvalidRequestError,
     InvalidTokensError,
+    StorageBackendError,
+    StorageError,
+    StorageTimeoutError,
     WorkerFailedError,
 )
+from .controller.prefetch import Prefetch
 from .keys import Namespace
 from .leases import RetrieveView, SlotReservation
-from .stats import CacheStats, TierStats
+from .stats import CacheStats, StorageTierStats, TierStats
+from .tiers.storage import BackendSettings, PageIO, StorageBackend, StorageBackendStats
 
 __version__ = "0.1.0"
 
@@ -29,6 +34,12 @@ __all__ = [
     "SlotReservation",
     "CacheStats",
     "TierStats",
+    "StorageTierStats",
+    "Prefetch",
+    "StorageBackend",
+    "BackendSettings",
+    "PageIO",
+    "StorageBackendStats",
     "HiCacheError",
     "ConfigError",
     "InvalidRequestError",
@@ -37,4 +48,7 @@ __all__ = [
     "CapacityError",
     "CacheClosedError",
     "WorkerFailedError",
+    "StorageError",
+    "StorageBackendError",
+    "StorageTimeoutError",
 ]

@@ -35,16 +35,23 @@ if TYPE_CHECKING:
     from .config import HiCacheConfig
     from .controller.controller import CacheController
     from .controller.jobs import LoadJob
+    from .controller.prefetch import Prefetch
 
 __all__ = ["HiCache", "Hit", "StoreResult"]
 
 
 @dataclass(frozen=True)
 class Hit:
-    """What ``lookup`` found: the cached prefix length (whole pages) and which tier holds it."""
+    """What ``lookup`` found: the cached prefix length (whole pages) and which tier holds it.
+
+    ``by_tier`` names ``device``, ``host`` and each storage tier. ``prefetch`` is the prefetch that
+    brings the storage part into host memory (``None`` when there is nothing, or too little, to
+    fetch): ``cancel()`` it when the request is dropped before it runs.
+    """
 
     tokens: int
     by_tier: Mapping[str, int]
+    prefetch: Prefetch | None = None
 
 
 @dataclass(frozen=True)
@@ -116,17 +123,39 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    async def lookup(self, tokens: Any) -> Hit:
-        """Length of the longest cached prefix and the tiers holding it. Moves no data."""
-        self.controller.check_open()
+    async def lookup(self, tokens: Any, *, prefetch: bool = True) -> Hit:
+        """Length of the longest cached prefix and the tiers holding it.
+
+        Moves no data itself; with storage tiers, it asks them for the pages after the memory
+        part, and (``prefetch=True``, at least ``prefetch_threshold_tokens``) starts bringing those
+        into host memory in the background, so a later ``retrieve`` finds them there.
+        """
+        ctl = self.controller
+        ctl.check_open()
         tb = as_token_bytes(tokens)
-        match = self.controller.tree.match(tb)
-        by_tier = {"device": 0, "host": 0}
+        match = ctl.tree.match(tb)
+        by_tier = {"device": 0, "host": 0} | {tier.name: 0 for tier in ctl.storage}
         for i, node in enumerate(match.path):
             pages = match.last_pages if i == len(match.path) - 1 else node.num_pages
             by_tier["device" if node.device is not None else "host"] += pages * self._page_size
-        self.controller.counters.lookups += 1
-        return Hit(match.pages * self._page_size, MappingProxyType(by_tier))
+        ctl.counters.lookups += 1
+        started = None
+        storage_tokens = 0
+        if ctl.storage:
+            anchor = match.path[-1] if match.path else None
+            pin = Pin(anchor) if anchor is not None else None  # the storage probe awaits
+            try:
+                hit = await ctl.prefetcher.probe(tb, match)
+                if hit is not None:
+                    storage_tokens = hit.tokens
+                    by_tier.update(hit.by_tier())
+                    if prefetch and ctl.prefetcher.worth_it(hit):
+                        ctl.check_open()
+                        started = ctl.prefetcher.start(tb, hit, anchor)
+            finally:
+                if pin is not None:
+                    pin.release()
+        return Hit(match.pages * self._page_size + storage_tokens, MappingProxyType(by_tier), started)
 
     # -- store ----------------------------------------------------------------------------------
 
@@ -153,14 +182,18 @@ class HiCache(anyio.AsyncContextManagerMixin):
             # Device residency is prefix-closed: pages after a host-only prefix go to host.
             parent_on_device = not match.path or match.path[-1].device is not None
             dev = await ctl.evictor.alloc_device(need, partial=True) if parent_on_device else []
-            host = ctl.evictor.alloc_host(need - len(dev), partial=True)
+            try:
+                host = await ctl.evictor.alloc_host(need - len(dev), partial=True)
+            except BaseException:
+                ctl.device.allocator.free(dev)
+                raise
             try:
                 await anyio.to_thread.run_sync(self._write_user_pages, kv, first, dev, host, limiter=ctl.limiter)
             except BaseException:
                 ctl.device.allocator.free(dev)
                 ctl.host.allocator.free(host)
                 raise
-            nodes = self._insert(tb, first, dev, host, priority)
+            nodes = ctl.insert_pages(tb, first, dev, host, priority)
         finally:
             if pin is not None:
                 pin.release()
@@ -178,45 +211,14 @@ class HiCache(anyio.AsyncContextManagerMixin):
         engine.user_to_pool(kv, first, self.controller.device, dev)
         engine.user_to_pool(kv, first + len(dev), self.controller.host, host)
 
-    def _insert(self, tb: bytes, first: int, dev: list[int], host: list[int], priority: int) -> list[TreeNode]:
-        """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
-
-        Synchronous, so nothing changes under it. Pages that another call cached meanwhile, or
-        that can no longer be attached, are freed. Returns the new nodes.
-        """
-        ctl = self.controller
-        full = len(tb) // self._page_bytes
-        usable = max(0, min(len(dev) + len(host), full - first))
-        match = ctl.tree.match(tb[: (first + usable) * self._page_bytes], split=True)
-        parent = match.path[-1] if match.path else ctl.tree.root
-        skip = match.pages - first
-        if skip < 0 or (len(dev) > skip and parent is not ctl.tree.root and parent.device is None):
-            # The pages before ours were dropped, or our device pages would sit under a host-only
-            # node: nothing can be attached without a gap or a broken invariant.
-            skip = len(dev) + len(host)
-        skip = min(skip, usable)
-        slots = [(True, p) for p in dev] + [(False, p) for p in host]  # (on device?, page)
-        kept, dropped = slots[skip:usable], slots[:skip] + slots[usable:]
-        ctl.device.allocator.free([p for on_dev, p in dropped if on_dev])
-        ctl.host.allocator.free([p for on_dev, p in dropped if not on_dev])
-        keep_dev = [p for on_dev, p in kept if on_dev]
-        keep_host = [p for on_dev, p in kept if not on_dev]
-        nodes: list[TreeNode] = []
-        pos = first + skip
-        for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
-            if not pages:
-                continue
-            node = ctl.tree.extend(parent, tb[pos * self._page_bytes : (pos + len(pages)) * self._page_bytes])
-            setattr(node, attr, pages)
-            node.priority = priority
-            nodes.append(node)
-            parent, pos = node, pos + len(pages)
-        return nodes
-
     async def _backup_new(self, nodes: list[TreeNode]) -> None:
+        ctl = self.controller
         for node in nodes:
-            if node.device is not None and self.controller.write_policy.backup_on_insert(node):
-                await self.controller.submit_backup(node)
+            if node.device is not None:
+                if ctl.write_policy.backup_on_insert(node):
+                    await ctl.submit_backup(node)  # its storage write follows the host copy
+            else:
+                await ctl.host_copy_made(node)  # placed on the host directly (device full)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -236,9 +238,12 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ps = self._page_size
         num_tokens = len(tb) // TOKEN_BYTES
         ctl.counters.retrieves += 1
+        # Pages that only storage holds arrive in host memory first (as the prefetch policy allows).
+        await ctl.prefetcher.before_retrieve(tb)
         path = ctl.tree.match(tb, split=True).path
         pin = Pin(path[-1]) if path else None
         loaded = 0
+        from_storage: dict[str, int] = {}
         try:
             jobs: list[LoadJob] = []
             host_only = [nd for nd in path if nd.device is None]
@@ -254,6 +259,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
                     old.release()
                 if host_only:
                     loaded = len(dev)
+                    from_storage = self._take_sources(host_only)
                     jobs.append(await ctl.submit_load(host_only, dev, path[-1]))
                     # Awaiting the queue let other calls split nodes again: re-derive once more.
                     path = ctl.tree.path_to(pin.node if pin is not None else None)
@@ -267,15 +273,20 @@ class HiCache(anyio.AsyncContextManagerMixin):
             for node in path:
                 if ctl.write_policy.backup_on_hit(node):
                     await ctl.submit_backup(node, wait=False)
+                await ctl.host_copy_made(node, wait=False)  # selective write-through reaches storage when hot
         except BaseException:
             if pin is not None:
                 pin.release()
             raise
         device_tokens = (hit_pages - loaded) * ps
-        self._count_retrieve(num_tokens, device_tokens, loaded * ps)
+        by_tier = {"device": device_tokens, "host": loaded * ps} | {tier.name: 0 for tier in ctl.storage}
+        for name, pages in from_storage.items():
+            by_tier[name] += pages * ps
+            by_tier["host"] -= pages * ps
+        self._count_retrieve(num_tokens, by_tier)
         return RetrieveView(
             tokens=hit_pages * ps,
-            by_tier={"device": device_tokens, "host": loaded * ps},
+            by_tier=by_tier,
             device_pages=device_pages,
             jobs=jobs,
             pin=pin,
@@ -321,12 +332,25 @@ class HiCache(anyio.AsyncContextManagerMixin):
             node.hit_count += 1
             node.last_access = now
 
-    def _count_retrieve(self, num_tokens: int, device_tokens: int, host_tokens: int) -> None:
-        c = self.controller.counters
-        c.hit_tokens["device"] += device_tokens
-        c.miss_tokens["device"] += num_tokens - device_tokens
-        c.hit_tokens["host"] += host_tokens
-        c.miss_tokens["host"] += num_tokens - device_tokens - host_tokens
+    @staticmethod
+    def _take_sources(loaded: list[TreeNode]) -> dict[str, int]:
+        """Pages among ``loaded`` that a prefetch brought from storage, by tier (counted once)."""
+        out: dict[str, int] = {}
+        for node in loaded:
+            if node.source is not None:
+                out[node.source] = out.get(node.source, 0) + node.num_pages
+                node.source = None
+        return out
+
+    def _count_retrieve(self, num_tokens: int, by_tier: Mapping[str, int]) -> None:
+        ctl = self.controller
+        c = ctl.counters
+        c.hit_tokens["device"] += by_tier["device"]
+        c.miss_tokens["device"] += num_tokens - by_tier["device"]
+        c.hit_tokens["host"] += by_tier["host"]
+        c.miss_tokens["host"] += num_tokens - by_tier["device"] - by_tier["host"]
+        for tier in ctl.storage:
+            tier.hit_tokens += by_tier[tier.name]
 
     # -- zero-copy path -------------------------------------------------------------------------
 
@@ -349,7 +373,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         if not isinstance(first_page, int) or first_page < 0:
             raise InvalidRequestError(f"first_page must be a non-negative int, got {first_page!r}")
         # Validated: from here the pages belong to the cache (published or freed by _insert).
-        nodes = self._insert(tb, first_page, reservation.hand_over(), [], priority)
+        nodes = ctl.insert_pages(tb, first_page, reservation.hand_over(), [], priority)
         stored = sum(nd.num_pages for nd in nodes)
         ctl.counters.stored_pages += stored
         ctl.kick_eviction()
@@ -391,6 +415,11 @@ class HiCache(anyio.AsyncContextManagerMixin):
             loads=c.loads,
             queue_depths=MappingProxyType(ctl.queue_depths()),
             in_flight=ctl.jobs.count if hasattr(ctl, "jobs") else 0,
+            storage=MappingProxyType({tier.name: tier.stats() for tier in ctl.storage}),
+            prefetches=c.prefetches,
+            prefetched_pages=c.prefetched_pages,
+            storage_backups=c.storage_backups,
+            spills_to_storage=c.spills_to_storage,
         )
 
     def __repr__(self) -> str:

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENV_PREFIX", "ByteSize", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
-    "IOConfig", "ModelConfig", "PoliciesConfig", "TiersConfig", "format_size", "load_config", "parse_size",
+    "IOConfig", "ModelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
+    "format_size", "load_config", "parse_size",
 ]
 
 ENV_PREFIX = "HICACHE_"
@@ -181,6 +182,44 @@ class HostTierConfig(BaseModel):
     pin_memory: _PinMemory = "auto"
 
 
+class StorageTierConfig(BaseModel):
+    """One storage tier below the host pool: ``kind`` picks the backend, the other keys configure it.
+
+    ``kind`` is a built-in (``memory``, ``file``), the name of an installed plugin (entry-point group
+    ``hicache.storage``) or a class path ``package.module:ClassName``. Every other key is validated
+    against that backend's ``Settings``, so a typo is an error naming the field.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    kind: str = Field(min_length=1)
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> StorageTierConfig:
+        from .tiers.storage.registry import resolve_backend  # lazy: plugins load only when configured
+
+        try:
+            backend = resolve_backend(self.kind)
+        except ConfigError as exc:
+            raise _field_error("kind", str(exc)) from None
+        try:
+            backend.Settings.model_validate(self.model_extra or {})
+        except ValidationError as exc:
+            loc, message = _describe(exc.errors(include_url=False)[0])
+            raise _field_error(_dotted(loc), message) from None
+        return self
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.kind
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The backend's own settings (every key but ``kind`` and ``name``)."""
+        return dict(self.model_extra or {})
+
+
 class TiersConfig(BaseModel):
     """All tiers, fastest first."""
 
@@ -188,17 +227,42 @@ class TiersConfig(BaseModel):
 
     device: DeviceTierConfig = Field(default_factory=DeviceTierConfig)
     host: HostTierConfig = Field(default_factory=HostTierConfig)
-    storage: list[dict[str, Any]] = Field(default_factory=list)
+    storage: list[StorageTierConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> TiersConfig:
+        seen = {"device", "host"}
+        for i, tier in enumerate(self.storage):
+            if tier.tier_name in seen:
+                raise _field_error(
+                    f"storage[{i}].name",
+                    f"tier name {tier.tier_name!r} is taken (give each storage tier a distinct `name`)",
+                )
+            seen.add(tier.tier_name)
+        return self
+
+
+class PrefetchTimeoutConfig(BaseModel):
+    """``timeout`` prefetch: wait ``min(max_s, base_s + per_ki_token_s * tokens / 1024)``."""
+
+    model_config = _FROZEN
+
+    base_s: float = Field(default=2.0, ge=0)
+    per_ki_token_s: float = Field(default=0.1, ge=0)
+    max_s: float = Field(default=30.0, gt=0)
 
 
 class PoliciesConfig(BaseModel):
-    """When pages are written down a tier and which pages are evicted first."""
+    """When pages are written down a tier, which pages are evicted first, how long to wait for storage."""
 
     model_config = _FROZEN
 
     write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_threshold: int = Field(default=2, ge=1)
     eviction: Literal["lru", "lfu", "fifo", "priority"] = "lru"
+    prefetch: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    prefetch_threshold_tokens: int = Field(default=256, ge=0)
+    prefetch_timeout: PrefetchTimeoutConfig = Field(default_factory=PrefetchTimeoutConfig)
 
 
 class IOConfig(BaseModel):
@@ -221,6 +285,9 @@ class ControllerConfig(BaseModel):
     low_watermark: float = Field(default=0.85, ge=0, lt=1)
     shutdown_timeout_s: float = Field(default=10.0, gt=0)
     io_threads: int = Field(default=2, ge=1)
+    storage_queue: int = Field(default=64, ge=1)
+    max_prefetches: int = Field(default=4, ge=1)
+    storage_batch_bytes: ByteSize = 64 * 1024**2
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> ControllerConfig:
@@ -438,6 +505,8 @@ def _describe(err: Any) -> tuple[tuple[Any, ...], str]:
         return (*loc, ctx["field"]), err["msg"]
     if kind == "extra_forbidden":
         return loc, "unknown setting"
+    if kind == "missing":
+        return loc, "required setting is missing"
     if kind == "literal_error":
         choices = ", ".join(re.findall(r"'[^']*'", str(ctx.get("expected"))))
         return loc, f"expected one of {choices}, got {got}"

@@ -20,13 +20,17 @@ from .io.kernel import KernelIOBackend
 from .io.transfer import TransferEngine
 from .keys import Namespace
 from .policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
+from .policies.prefetch import BestEffort, Timeout, WaitComplete
 from .policies.write import WriteBack, WriteThrough, WriteThroughSelective
 from .radix_tree import HiRadixTree
 from .tiers.base import KVGeometry
 from .tiers.device import DevicePool
 from .tiers.host import HostPool
+from .tiers.storage.page_format import PageCodec
+from .tiers.storage.registry import resolve_backend
+from .tiers.storage.tier import StorageTier
 
-__all__ = ["Container", "geometry_from_config"]
+__all__ = ["Container", "geometry_from_config", "storage_tiers_from_config"]
 
 
 def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
@@ -39,6 +43,15 @@ def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
         head_dim=m.head_dim,
         dtype=m.torch_dtype,
     )
+
+
+def storage_tiers_from_config(config: HiCacheConfig, codec: PageCodec, host: HostPool) -> list[StorageTier]:
+    """One ``StorageTier`` per ``tiers.storage`` entry, in order; backends are built, not opened."""
+    batch_pages = max(1, config.controller.storage_batch_bytes // config.page_bytes)
+    return [
+        StorageTier(entry.tier_name, resolve_backend(entry.kind)(**entry.options), codec, host, batch_pages=batch_pages)
+        for entry in config.tiers.storage
+    ]
 
 
 class Container(containers.DeclarativeContainer):
@@ -74,6 +87,9 @@ class Container(containers.DeclarativeContainer):
     )
     transfer_engine = providers.Singleton(TransferEngine, io_backend, device_pool, host_pool)
 
+    page_codec = providers.Singleton(PageCodec, namespace=namespace.provided.digest, geometry=geometry)
+    storage_tiers = providers.Singleton(storage_tiers_from_config, config, page_codec, host_pool)
+
     eviction_policy = providers.Selector(
         config.provided.policies.eviction,
         lru=providers.Singleton(LRUPolicy),
@@ -88,6 +104,18 @@ class Container(containers.DeclarativeContainer):
             WriteThroughSelective, threshold=config.provided.policies.write_threshold
         ),
         write_back=providers.Singleton(WriteBack),
+    )
+
+    prefetch_policy = providers.Selector(
+        config.provided.policies.prefetch,
+        best_effort=providers.Singleton(BestEffort),
+        wait_complete=providers.Singleton(WaitComplete),
+        timeout=providers.Singleton(
+            Timeout,
+            base_s=config.provided.policies.prefetch_timeout.base_s,
+            per_ki_token_s=config.provided.policies.prefetch_timeout.per_ki_token_s,
+            max_s=config.provided.policies.prefetch_timeout.max_s,
+        ),
     )
 
     controller = providers.Singleton(
@@ -105,6 +133,11 @@ class Container(containers.DeclarativeContainer):
         low_watermark=config.provided.controller.low_watermark,
         shutdown_timeout_s=config.provided.controller.shutdown_timeout_s,
         layerwise=config.provided.io.layerwise,
+        storage=storage_tiers,
+        prefetch_policy=prefetch_policy,
+        prefetch_threshold_tokens=config.provided.policies.prefetch_threshold_tokens,
+        storage_queue=config.provided.controller.storage_queue,
+        max_prefetches=config.provided.controller.max_prefetches,
     )
 
     cache = providers.Singleton(HiCache, config, controller, namespace)

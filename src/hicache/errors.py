@@ -9,7 +9,10 @@ The tree::
     │   └── InvalidKVError       a kv tensor has the wrong shape, dtype or length
     ├── CapacityError            a tier cannot make room (everything is leased)
     ├── CacheClosedError         the cache is not open (never entered, or already closed)
-    └── WorkerFailedError        a background worker failed; the cache is unusable
+    ├── WorkerFailedError        a background worker failed; the cache is unusable
+    └── StorageError             a storage backend operation failed (the cache counts it as a miss)
+        ├── StorageBackendError  the backend raised; the original error is the ``__cause__``
+        └── StorageTimeoutError  the backend did not answer within its ``timeout_s``
 
 Callers that can degrade (recompute instead of reusing KV) catch ``HiCacheError``; programming
 errors (``TypeError`` from misuse of an internal API, ``AssertionError``) are not wrapped.
@@ -26,6 +29,9 @@ __all__ = [
     "CapacityError",
     "CacheClosedError",
     "WorkerFailedError",
+    "StorageError",
+    "StorageBackendError",
+    "StorageTimeoutError",
 ]
 
 
@@ -63,3 +69,24 @@ class WorkerFailedError(HiCacheError, RuntimeError):
     The original exception is chained as ``__cause__``. Once a worker fails, every later call on
     the cache raises this error too: a cache never keeps serving with a dead worker.
     """
+
+
+class StorageError(HiCacheError):
+    """Raised by a storage backend's public verbs when an operation fails.
+
+    The cache never lets it reach a caller of ``lookup``/``retrieve``/``store``: a failed read is a
+    miss, a failed write is not recorded as stored, and both are counted in ``stats().storage``.
+    """
+
+    def __init__(self, backend: str, operation: str, detail: str) -> None:
+        super().__init__(f"storage backend {backend!r}: {operation} failed: {detail}")
+        self.backend = backend
+        self.operation = operation
+
+
+class StorageBackendError(StorageError):
+    """The backend raised while serving ``operation``; the original exception is ``__cause__``."""
+
+
+class StorageTimeoutError(StorageError):
+    """The backend did not finish ``operation`` within its configured ``timeout_s``."""

@@ -9,7 +9,10 @@ indices). Invariants the controller keeps:
 * Every non-root node holds at least one copy; a node that loses its last copy is removed, and only
   childless nodes are removed.
 * A node with ``lock_ref > 0`` (a lease or an in-flight transfer pins it) is never evicted from any
-  tier and never removed. Pins are taken from a node up to the root and released the same way, so a
+  tier and never removed. A node whose host pages are being written to storage (``storing``) keeps
+  them until the write is done, but may leave the device meanwhile.
+* Storage residency is not tracked: storage tiers are asked (``exists``) per request, because they
+  are shared and lossy. ``stored`` only remembers that this node's pages were written or read. Pins are taken from a node up to the root and released the same way, so a
   split (which puts a new node *above* the split one) keeps the counts consistent.
 
 Splitting keeps the original node object as the suffix and inserts a new parent for the prefix, so
@@ -44,6 +47,9 @@ class TreeNode:
         "host",
         "loading",
         "backing_up",
+        "storing",
+        "stored",
+        "source",
         "lock_ref",
         "hit_count",
         "last_access",
@@ -61,6 +67,9 @@ class TreeNode:
         self.host: list[int] | None = None
         self.loading: Any = None  # the LoadJob filling ``device`` while it is in flight
         self.backing_up = False  # a backup of this node to host is in flight
+        self.storing = False  # a write of its host pages to storage is in flight: keep them
+        self.stored = False  # its pages were written to (or read from) storage; a hint (storage is lossy)
+        self.source: str | None = None  # the storage tier its host pages came from, until first used
         self.lock_ref = 0
         self.hit_count = 0
         self.last_access = time.monotonic()
@@ -183,6 +192,9 @@ class HiRadixTree:
         prefix.host = node.host[:at_pages] if node.host is not None else None
         prefix.loading = node.loading
         prefix.backing_up = node.backing_up
+        prefix.storing = node.storing
+        prefix.stored = node.stored
+        prefix.source = node.source
         # Every pin on ``node`` walks through its parent chain, so the new parent carries them all.
         prefix.lock_ref = node.lock_ref
         prefix.hit_count = node.hit_count

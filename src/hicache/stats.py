@@ -5,10 +5,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-__all__ = ["TierStats", "CacheStats", "Counters", "TRANSFER_DIRECTIONS"]
+if TYPE_CHECKING:
+    from .tiers.storage.base import StorageBackendStats
 
-TRANSFER_DIRECTIONS = ("user_to_device", "user_to_host", "device_to_host", "host_to_device", "device_to_user")
+__all__ = ["TierStats", "StorageTierStats", "CacheStats", "Counters", "TRANSFER_DIRECTIONS"]
+
+TRANSFER_DIRECTIONS = (
+    "user_to_device", "user_to_host", "device_to_host", "host_to_device", "device_to_user",
+    "host_to_storage", "storage_to_host",
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,25 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class StorageTierStats:
+    """One storage tier: what the cache did with it, and its backend's own figures.
+
+    ``fetched_pages``: pages read and verified into host memory (prefetch). ``stored_pages``: pages
+    written from host memory. ``skipped_pages``: backups not written because the tier had them.
+    ``failures``: backend calls that failed or timed out and became misses or unrecorded writes.
+    """
+
+    name: str
+    kind: str
+    fetched_pages: int
+    stored_pages: int
+    skipped_pages: int
+    failures: int
+    hit_tokens: int  # tokens of retrieves served by pages this tier supplied
+    backend: StorageBackendStats
+
+
+@dataclass(frozen=True)
 class CacheStats:
     """A frozen snapshot of the whole cache."""
 
@@ -52,6 +78,11 @@ class CacheStats:
     loads: int  # pages loaded host -> device
     queue_depths: Mapping[str, int]
     in_flight: int  # background jobs not finished
+    storage: Mapping[str, StorageTierStats] = field(default_factory=lambda: MappingProxyType({}))
+    prefetches: int = 0  # prefetch operations started
+    prefetched_pages: int = 0  # pages brought from storage into host memory
+    storage_backups: int = 0  # pages written host -> storage (backups and write-back spills)
+    spills_to_storage: int = 0  # of those, pages written because host eviction needed them gone
 
     @property
     def evictions(self) -> int:
@@ -71,6 +102,10 @@ class Counters:
     backups_skipped: int = 0
     spills: int = 0
     loads: int = 0
+    prefetches: int = 0
+    prefetched_pages: int = 0
+    storage_backups: int = 0
+    spills_to_storage: int = 0
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     miss_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     evicted_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})

@@ -9,9 +9,16 @@ Workers:
   callers waiting on it.
 * ``eviction``: kicked when device usage crosses the high watermark; evicts down to the low one in
   the background so that most allocations find free pages.
+* ``storage`` (with storage tiers): host -> storage writes asked for by the write policy, fed by a
+  bounded stream that the backup worker and ``store`` feed (backpressure again), batched per tier.
+
+Prefetches from storage run as tasks of the same group (``prefetch.py``). Failures of a storage
+backend are misses and counted errors (``StorageTier``); any other error in a worker or a prefetch
+is a bug and fails the cache like a worker failure.
 
 Lifecycle (``async with controller``): open the pools, start the workers with a start-up handshake,
-serve, then close the queues so the workers drain what is pending, bounded by ``shutdown_timeout_s``.
+serve, then cancel prefetches and close the queues so the workers drain what is pending (backups
+first, then the storage writes they queued), bounded by ``shutdown_timeout_s``.
 A worker that raises fails the cache: the error is recorded (every later call raises
 ``WorkerFailedError``) and propagates through the task group out of ``async with``.
 """
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import anyio
@@ -29,19 +36,25 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ..errors import CacheClosedError, CapacityError, WorkerFailedError
 from ..io.transfer import TransferEngine
+from ..keys import TokenBytes
 from ..policies.base import EvictionPolicy, WritePolicy
+from ..policies.prefetch import PrefetchPolicy, Timeout
 from ..radix_tree import HiRadixTree, Pin, TreeNode
 from ..stats import Counters
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
+from ..tiers.storage.tier import StorageTier
 from .evictor import Evictor
-from .jobs import BackupJob, JobTracker, LoadEntry, LoadJob
+from .jobs import BackupJob, JobTracker, LoadEntry, LoadJob, StorageJob
+from .prefetch import Prefetcher
+from .storage_writer import StorageWriter
 
 __all__ = ["CacheController"]
 
 log = logging.getLogger(__name__)
 
 _BACKUP_BATCH = 128  # jobs merged into one device -> host copy
+_STORAGE_BATCH = 64  # jobs merged into one host -> storage write per tier
 
 
 class CacheController(anyio.AsyncContextManagerMixin):
@@ -63,6 +76,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
         low_watermark: float = 0.85,
         shutdown_timeout_s: float = 10.0,
         layerwise: bool = True,
+        storage: Sequence[StorageTier] = (),
+        prefetch_policy: PrefetchPolicy | None = None,
+        prefetch_threshold_tokens: int = 256,
+        storage_queue: int = 64,
+        max_prefetches: int = 4,
     ) -> None:
         self.tree = tree
         self.device = device
@@ -78,13 +96,22 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.low_watermark = low_watermark
         self.shutdown_timeout_s = shutdown_timeout_s
         self.layerwise = layerwise
+        self.storage = list(storage)
+        self.prefetch_policy = prefetch_policy or Timeout()
+        self.prefetch_threshold_tokens = prefetch_threshold_tokens
+        self.storage_queue = storage_queue
+        self.max_prefetches = max_prefetches
+        self.storage_writer = StorageWriter(tree, self.storage, self.counters, device.geometry.page_bytes)
         self.failure: WorkerFailedError | None = None
         self._open = False
         self._closed = False
         # Created on entry: anyio primitives need a running event loop.
         self.limiter: anyio.CapacityLimiter
         self.evictor: Evictor
+        self.prefetcher: Prefetcher
         self.jobs: JobTracker
+        self._task_group: anyio.abc.TaskGroup
+        self._storage_send: MemoryObjectSendStream[StorageJob] | None = None
         self._backup_send: MemoryObjectSendStream[BackupJob]
         self._load_send: MemoryObjectSendStream[LoadJob]
         self._evict_send: MemoryObjectSendStream[None]
@@ -104,25 +131,48 @@ class CacheController(anyio.AsyncContextManagerMixin):
             self.tree, self.device, self.host, self.engine, self.eviction_policy, self.write_policy,
             self.counters, self.limiter, on_device_alloc=self.kick_eviction,
             backups_in_flight=lambda: self.backup_jobs.count, wait_backups=self.backup_jobs.wait_idle,
+            storage_writer=self.storage_writer if self.storage else None,
+            on_host_copy=lambda node: self.host_copy_made(node, wait=False),
+        )
+        self.prefetcher = Prefetcher(
+            tree=self.tree, tiers=self.storage, policy=self.prefetch_policy,
+            threshold_tokens=self.prefetch_threshold_tokens, max_concurrent=self.max_prefetches,
+            alloc_host=lambda n: self.evictor.alloc_host(n, partial=True), free_host=self.host.allocator.free,
+            insert_host=lambda tb, first, pages: self.insert_pages(tb, first, [], pages),
+            spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
+            counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
         )
         backup_send, backup_recv = anyio.create_memory_object_stream[BackupJob](self.backup_queue)
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
         evict_send, evict_recv = anyio.create_memory_object_stream[None](1)
         self._backup_send, self._load_send, self._evict_send = backup_send, load_send, evict_send
+        storage_send, storage_recv = anyio.create_memory_object_stream[StorageJob](self.storage_queue)
+        if self.storage:
+            self._storage_send = storage_send
+        else:
+            storage_send.close()
+            storage_recv.close()
         async with AsyncExitStack() as stack:
             await stack.enter_async_context(self.device)
             await stack.enter_async_context(self.host)
+            for tier in self.storage:
+                await stack.enter_async_context(tier)
             async with anyio.create_task_group() as tg:
+                self._task_group = tg
                 await tg.start(self._supervise, "backup", self._backup_worker, backup_recv)
                 await tg.start(self._supervise, "load", self._load_worker, load_recv)
                 await tg.start(self._supervise, "eviction", self._eviction_worker, evict_recv)
+                if self.storage:
+                    await tg.start(self._supervise, "storage", self._storage_worker, storage_recv)
                 self._open = True
                 try:
                     yield self
                 finally:
                     self._open = False
-                    # Closing the send sides lets each worker drain its queue and return;
-                    # the deadline bounds how long pending backups may take.
+                    # Closing the send sides lets each worker drain its queue and return (the
+                    # backup worker closes the storage queue when it is done, since its backups
+                    # feed it); the deadline bounds how long pending writes may take.
+                    self.prefetcher.cancel_all()
                     backup_send.close()
                     load_send.close()
                     evict_send.close()
@@ -137,11 +187,19 @@ class CacheController(anyio.AsyncContextManagerMixin):
         task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         task_status.started()
+        await self._guard(name, lambda: self._drain(worker, receive))
+
+    @staticmethod
+    async def _drain(worker: Callable[[MemoryObjectReceiveStream], Awaitable[None]], receive: MemoryObjectReceiveStream) -> None:
+        async with receive:
+            await worker(receive)
+
+    async def _guard(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """Run a background task; an error fails the cache instead of vanishing with the task."""
         try:
-            async with receive:
-                await worker(receive)
+            await run()
         except Exception as exc:
-            self.failure = WorkerFailedError(f"the {name} worker failed: {exc!r}")
+            self.failure = self.failure or WorkerFailedError(f"the {name} worker failed: {exc!r}")
             log.error("hicache %s worker failed; the cache is now unusable", name, exc_info=exc)
             raise self.failure from exc
 
@@ -158,10 +216,13 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     def queue_depths(self) -> dict[str, int]:
         if not hasattr(self, "_backup_send"):
-            return {"backup": 0, "load": 0}
+            return {"backup": 0, "load": 0, "storage": 0, "prefetch": 0}
+        storage = self._storage_send
         return {
             "backup": self._backup_send.statistics().current_buffer_used,
             "load": self._load_send.statistics().current_buffer_used,
+            "storage": storage.statistics().current_buffer_used if storage is not None else 0,
+            "prefetch": len(self.prefetcher.running),
         }
 
     # -- backup (device -> host) ----------------------------------------------------------------
@@ -205,21 +266,25 @@ class CacheController(anyio.AsyncContextManagerMixin):
         return True
 
     async def _backup_worker(self, receive: MemoryObjectReceiveStream[BackupJob]) -> None:
-        async for job in receive:
-            batch = [job]
-            while len(batch) < _BACKUP_BATCH:
-                try:
-                    batch.append(receive.receive_nowait())
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
-            await self._run_backups(batch)
+        try:
+            async for job in receive:
+                batch = [job]
+                while len(batch) < _BACKUP_BATCH:
+                    try:
+                        batch.append(receive.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                await self._run_backups(batch)
+        finally:
+            if self._storage_send is not None:
+                self._storage_send.close()  # no more backups: the storage worker may drain and stop
 
     async def _run_backups(self, batch: list[BackupJob]) -> None:
         placed: list[tuple[BackupJob, list[int]]] = []
         try:
             for job in batch:
                 try:
-                    placed.append((job, self.evictor.alloc_host(len(job.device_pages))))
+                    placed.append((job, await self.evictor.alloc_host(len(job.device_pages))))
                 except CapacityError:
                     self.counters.backups_skipped += len(job.device_pages)
             src = [p for job, _ in placed for p in job.device_pages]
@@ -241,6 +306,92 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.counters.backups += len(src)
         self.counters.bytes_moved["device_to_host"] += len(src) * self.device.geometry.page_bytes
         self.kick_eviction()  # backed-up pages may now be evicted for free
+        for job, _ in placed:
+            for covered, _, _ in self.tree.covering(job.node, job.keys):
+                await self.host_copy_made(covered)
+
+    # -- storage (host -> storage) --------------------------------------------------------------
+
+    async def host_copy_made(self, node: TreeNode, *, wait: bool = True) -> None:
+        """A node just got host pages: write them to storage if the write policy says so now."""
+        if self.storage_writer.wanted(node) and self.write_policy.store_on_host(node):
+            await self.submit_storage_backup(node, wait=wait)
+
+    async def submit_storage_backup(self, node: TreeNode, *, wait: bool = True) -> bool:
+        """Queue a write of ``node``'s host pages to storage; with ``wait=False`` skip it when full."""
+        if self._storage_send is None or not self.storage_writer.wanted(node):
+            return False
+        job = self.storage_writer.prepare(node)
+        self.jobs.add()
+        try:
+            if wait:
+                await self._storage_send.send(job)
+            else:
+                self._storage_send.send_nowait(job)
+        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._finish_storage(job, False)  # full, or shutting down: the pages stay in memory
+            return False
+        except BaseException:
+            self._finish_storage(job, False)
+            raise
+        return True
+
+    def _finish_storage(self, job: StorageJob, stored: bool) -> None:
+        self.storage_writer.finish(job, stored)
+        self.jobs.done()
+
+    async def _storage_worker(self, receive: MemoryObjectReceiveStream[StorageJob]) -> None:
+        async for job in receive:
+            batch = [job]
+            while len(batch) < _STORAGE_BATCH:
+                try:
+                    batch.append(receive.receive_nowait())
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+            results = [False] * len(batch)
+            try:
+                results = await self.storage_writer.write(batch)
+            finally:
+                for one, ok in zip(batch, results, strict=True):
+                    self._finish_storage(one, ok)
+
+    # -- the index ------------------------------------------------------------------------------
+
+    def insert_pages(self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0) -> list[TreeNode]:
+        """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
+
+        Synchronous, so nothing changes under it. Pages that another call cached meanwhile, or
+        that can no longer be attached, are freed. Returns the new nodes.
+        """
+        tree = self.tree
+        pb = tree.page_bytes
+        full = len(tb) // pb
+        usable = max(0, min(len(dev) + len(host), full - first))
+        match = tree.match(tb[: (first + usable) * pb], split=True)
+        parent = match.path[-1] if match.path else tree.root
+        skip = match.pages - first
+        if skip < 0 or (len(dev) > skip and parent is not tree.root and parent.device is None):
+            # The pages before ours were dropped, or our device pages would sit under a host-only
+            # node: nothing can be attached without a gap or a broken invariant.
+            skip = len(dev) + len(host)
+        skip = min(skip, usable)
+        slots = [(True, p) for p in dev] + [(False, p) for p in host]  # (on device?, page)
+        kept, dropped = slots[skip:usable], slots[:skip] + slots[usable:]
+        self.device.allocator.free([p for on_dev, p in dropped if on_dev])
+        self.host.allocator.free([p for on_dev, p in dropped if not on_dev])
+        keep_dev = [p for on_dev, p in kept if on_dev]
+        keep_host = [p for on_dev, p in kept if not on_dev]
+        nodes: list[TreeNode] = []
+        pos = first + skip
+        for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
+            if not pages:
+                continue
+            node = tree.extend(parent, tb[pos * pb : (pos + len(pages)) * pb])
+            setattr(node, attr, pages)
+            node.priority = priority
+            nodes.append(node)
+            parent, pos = node, pos + len(pages)
+        return nodes
 
     # -- load-back (host -> device) -------------------------------------------------------------
 

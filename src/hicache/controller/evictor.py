@@ -6,8 +6,10 @@ spilled to host first when the write policy says so (write-back) or when it stil
 (dropping it would orphan them); otherwise it is simply dropped. The spill copy runs in a worker
 thread, so the event loop is never blocked by eviction.
 
-Host eviction is bookkeeping only: it drops host-only leaves first (the node leaves the tree), then
-host copies of nodes that are still on the device.
+Host eviction drops host-only leaves first (the node leaves the tree), then host copies of nodes
+that are still on the device. Under write-back with storage tiers, a host-only victim that was never
+written to storage is written first (a spill, batched, in worker threads); otherwise host eviction
+is bookkeeping only. Pages being written to storage (``storing``) are never evicted from the host.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..radix_tree import HiRadixTree, Pin, TreeNode
 from ..stats import Counters
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
+from .storage_writer import StorageWriter
 
 __all__ = ["Evictor"]
 
@@ -45,6 +48,8 @@ class Evictor:
         on_device_alloc: Callable[[], None] = lambda: None,
         backups_in_flight: Callable[[], int] = lambda: 0,
         wait_backups: Callable[[], Awaitable[None]] | None = None,
+        storage_writer: StorageWriter | None = None,
+        on_host_copy: Callable[[TreeNode], Awaitable[None]] | None = None,
     ) -> None:
         self.tree = tree
         self.device = device
@@ -57,7 +62,10 @@ class Evictor:
         self.on_device_alloc = on_device_alloc
         self.backups_in_flight = backups_in_flight
         self.wait_backups = wait_backups or anyio.lowlevel.checkpoint
+        self.storage_writer = storage_writer
+        self.on_host_copy = on_host_copy
         self._device_lock = anyio.Lock()
+        self._host_lock = anyio.Lock()  # taken inside _device_lock (a device spill allocates host), never around it
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -84,11 +92,11 @@ class Evictor:
             self.on_device_alloc()
         return pages
 
-    def alloc_host(self, n: int, *, partial: bool = False) -> list[int]:
-        """Allocate ``n`` host pages, evicting as needed (synchronous: no data moves)."""
+    async def alloc_host(self, n: int, *, partial: bool = False) -> list[int]:
+        """Allocate ``n`` host pages, evicting as needed (write-back may spill to storage first)."""
         short = n - self.host.free_pages
         if short > 0:
-            self.evict_host(short)
+            await self.evict_host(short)
         k = min(n, self.host.free_pages) if partial else n
         return self.host.allocator.allocate(k)
 
@@ -129,7 +137,7 @@ class Evictor:
     async def _spill(self, node: TreeNode) -> None:
         """Copy ``node``'s device pages to new host pages (write-back, or to keep its children)."""
         try:
-            host_pages = self.alloc_host(node.num_pages)
+            host_pages = await self.alloc_host(node.num_pages)
         except CapacityError:
             log.debug("no host room to spill %r", node)
             return
@@ -151,45 +159,99 @@ class Evictor:
             pin.release()
         self.counters.spills += len(host_pages)
         self.counters.bytes_moved["device_to_host"] += len(host_pages) * self.device.geometry.page_bytes
+        if self.on_host_copy is not None:
+            for covered, _, _ in self.tree.covering(node, keys):
+                await self.on_host_copy(covered)
 
     # -- host -----------------------------------------------------------------------------------
 
-    def evict_host(self, n_pages: int) -> int:
+    def _spills_to_storage(self, node: TreeNode) -> bool:
+        w = self.storage_writer
+        return w is not None and self.write_policy.spill_on_evict and w.wanted(node)
+
+    async def evict_host(self, n_pages: int) -> int:
         """Drop at least ``n_pages`` host pages if possible; return how many were dropped."""
-        freed = 0
+        async with self._host_lock:
+            freed = 0
+            while freed < n_pages:
+                dropped, spilled = await self._evict_host_leaves(n_pages - freed)
+                freed += dropped
+                if not dropped and not spilled:
+                    break
+            if freed < n_pages:
+                freed += self._drop_host_mirrors(n_pages - freed)
+            self.counters.evicted_pages["host"] += freed
+            return freed
 
-        def host_only_leaf(nd: TreeNode) -> bool:
-            return nd.host is not None and nd.device is None and not nd.children and nd.evictable
+    @staticmethod
+    def _host_only_leaf(nd: TreeNode) -> bool:
+        return nd.host is not None and nd.device is None and not nd.children and nd.evictable and not nd.storing
 
-        heap = [(self.policy.key(nd), nd.id, nd) for nd in self.tree.nodes() if host_only_leaf(nd)]
+    async def _evict_host_leaves(self, n_pages: int) -> tuple[int, bool]:
+        """One round: drop host-only leaves in policy order; spill those that need it first.
+
+        Returns ``(pages dropped, whether anything was spilled)``; spilled nodes that became
+        evictable are dropped in the same round, and their parents are candidates for the next.
+        """
+        heap = [(self.policy.key(nd), nd.id, nd) for nd in self.tree.nodes() if self._host_only_leaf(nd)]
         heapq.heapify(heap)
-        while freed < n_pages and heap:
+        freed = 0
+        to_spill: list[TreeNode] = []
+        pending = 0
+        while freed + pending < n_pages and heap:
             _, _, node = heapq.heappop(heap)
-            if not host_only_leaf(node):
+            if not self._host_only_leaf(node):
                 continue
+            if self._spills_to_storage(node):
+                to_spill.append(node)
+                pending += node.num_pages
+                continue
+            parent = node.parent
+            freed += self._drop_host_node(node)
+            if parent is not None and parent is not self.tree.root and self._host_only_leaf(parent):
+                heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
+        if to_spill:
+            await self._spill_to_storage(to_spill)
+            for node in to_spill:
+                if node.parent is not None and self._host_only_leaf(node):
+                    freed += self._drop_host_node(node)
+        return freed, bool(to_spill)
+
+    def _drop_host_node(self, node: TreeNode) -> int:
+        pages = node.host
+        assert pages is not None
+        node.host = None
+        self.host.allocator.free(pages)
+        self.tree.remove(node)
+        return len(pages)
+
+    async def _spill_to_storage(self, nodes: list[TreeNode]) -> None:
+        """Write-back at the host -> storage boundary: write the victims before they are dropped."""
+        writer = self.storage_writer
+        assert writer is not None
+        jobs = [writer.prepare(nd) for nd in nodes]
+        results = [False] * len(jobs)
+        try:
+            results = await writer.write(jobs)
+        finally:
+            for job, ok in zip(jobs, results, strict=True):
+                writer.finish(job, ok)
+        self.counters.spills_to_storage += sum(len(j.keys) for j, ok in zip(jobs, results, strict=True) if ok)
+
+    def _drop_host_mirrors(self, n_pages: int) -> int:
+        """Second choice: host copies of pages still on the device (the device copy stays)."""
+        mirrored = [
+            (self.policy.key(nd), nd.id, nd)
+            for nd in self.tree.nodes()
+            if nd.host is not None and nd.device is not None and nd.evictable and not nd.storing
+        ]
+        heapq.heapify(mirrored)
+        freed = 0
+        while freed < n_pages and mirrored:
+            _, _, node = heapq.heappop(mirrored)
             pages = node.host
             assert pages is not None
             node.host = None
             self.host.allocator.free(pages)
             freed += len(pages)
-            parent = node.parent
-            self.tree.remove(node)
-            if parent is not None and parent is not self.tree.root and host_only_leaf(parent):
-                heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
-        if freed < n_pages:
-            # Second choice: host copies of pages still on the device (the device copy stays).
-            mirrored = [
-                (self.policy.key(nd), nd.id, nd)
-                for nd in self.tree.nodes()
-                if nd.host is not None and nd.device is not None and nd.evictable
-            ]
-            heapq.heapify(mirrored)
-            while freed < n_pages and mirrored:
-                _, _, node = heapq.heappop(mirrored)
-                pages = node.host
-                assert pages is not None
-                node.host = None
-                self.host.allocator.free(pages)
-                freed += len(pages)
-        self.counters.evicted_pages["host"] += freed
         return freed

@@ -12,7 +12,7 @@ import anyio
 
 from ..radix_tree import Pin, TreeNode
 
-__all__ = ["BackupJob", "LoadJob", "JobTracker"]
+__all__ = ["BackupJob", "LoadJob", "StorageJob", "JobTracker"]
 
 
 @dataclass(eq=False)
@@ -23,6 +23,15 @@ class BackupJob:
     keys: list[bytes]
     device_pages: list[int]
     pin: Pin
+
+
+@dataclass(eq=False)
+class StorageJob:
+    """Write ``node``'s host pages to the storage tiers; ``node.storing`` keeps them until done."""
+
+    node: TreeNode
+    keys: list[bytes]
+    host_pages: list[int]
 
 
 @dataclass(eq=False)

@@ -2,6 +2,7 @@
 
 from .base import EvictionPolicy, WritePolicy
 from .eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
+from .prefetch import BestEffort, PrefetchPolicy, Timeout, WaitComplete
 from .write import WriteBack, WriteThrough, WriteThroughSelective
 
 __all__ = [
@@ -14,4 +15,8 @@ __all__ = [
     "WriteThrough",
     "WriteThroughSelective",
     "WriteBack",
+    "PrefetchPolicy",
+    "BestEffort",
+    "WaitComplete",
+    "Timeout",
 ]

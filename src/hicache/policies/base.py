@@ -40,3 +40,11 @@ class WritePolicy(ABC):
     @abstractmethod
     def backup_on_hit(self, node: TreeNode) -> bool:
         """Back up a node after a hit (``node.hit_count`` already counts it)?"""
+
+    def store_on_host(self, node: TreeNode) -> bool:
+        """Write a node's host pages to storage as soon as it has them (the host -> storage boundary)?
+
+        The same rule as device -> host: at once under write-through, once hot under selective
+        write-through, never under write-back (which writes to storage on host eviction instead).
+        """
+        return self.backup_on_insert(node) or self.backup_on_hit(node)

@@ -1,0 +1,283 @@
+"""Prefetch: bring pages that only storage holds into host memory before a request needs them.
+
+``lookup`` (at enqueue time) or ``retrieve`` asks each storage tier how many of the pages after the
+memory-resident prefix it holds (``exists``; keys are chained, so the answer is a prefix length),
+and when that is at least ``prefetch_threshold_tokens`` starts a ``Prefetch``: a task in the
+controller's task group that, batch by batch, allocates host pages, reads and verifies them
+(``StorageTier.fetch``) and publishes them in the index as host-only nodes. A request that arrives
+for the same pages joins the running prefetch instead of starting another.
+
+``retrieve`` waits as the prefetch policy says (see ``policies/prefetch.py``), then ends the
+prefetch and uses what has been published. Ending (``cancel()``) frees the host pages of the batch
+in flight; pages already published stay in the cache. The prefetch holds a pin on the deepest node
+it has published (or on the node it continues), so its prefix cannot be evicted under it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import anyio
+
+from ..keys import TOKEN_BYTES, TokenBytes, chain_keys
+from ..policies.prefetch import PrefetchPolicy
+from ..radix_tree import HiRadixTree, MatchResult, Pin, TreeNode
+from ..stats import Counters
+from ..tiers.storage.tier import StorageTier
+from .jobs import JobTracker
+
+__all__ = ["Prefetch", "Prefetcher", "StorageHit"]
+
+
+@dataclass(frozen=True)
+class StorageHit:
+    """Pages after the memory-resident prefix that storage holds, tier by tier."""
+
+    first_page: int
+    keys: list[bytes]
+    segments: list[tuple[StorageTier, int, int]]  # (tier, first index into keys, pages)
+    page_size: int
+
+    @property
+    def tokens(self) -> int:
+        return len(self.keys) * self.page_size
+
+    def by_tier(self) -> dict[str, int]:
+        return {tier.name: n * self.page_size for tier, _, n in self.segments}
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """A running prefetch, shared by every request that needs its pages.
+
+    ``await wait()`` returns once it has finished (or after ``timeout`` seconds); ``cancel()`` ends
+    it (idempotent): pages already published stay cached, the batch in flight is freed.
+    """
+
+    tokens_bytes: TokenBytes = field(repr=False)
+    first_page: int
+    keys: list[bytes] = field(repr=False)
+    segments: list[tuple[StorageTier, int, int]] = field(repr=False)
+    page_size: int
+    created: float
+    arrived_pages: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+    cancelled: bool = False
+    _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope, repr=False)
+    _done: anyio.Event = field(default_factory=anyio.Event, repr=False)
+    _pin: Pin | None = field(default=None, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens this prefetch set out to bring (whole pages)."""
+        return len(self.keys) * self.page_size
+
+    @property
+    def arrived_tokens(self) -> int:
+        return self.arrived_pages * self.page_size
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Wait until finished, or at most ``timeout`` seconds; return the tokens arrived so far."""
+        if timeout is None or math.isinf(timeout):
+            await self._done.wait()
+        elif timeout > 0:
+            with anyio.move_on_after(timeout):
+                await self._done.wait()
+        return self.arrived_tokens
+
+    def cancel(self) -> None:
+        """End the prefetch; the batch in flight is freed, published pages stay."""
+        if not self._done.is_set():
+            self.cancelled = True
+            self._scope.cancel()
+
+
+class Prefetcher:
+    """Starts, shares and runs prefetches (owned by the controller, run in its task group)."""
+
+    def __init__(
+        self,
+        *,
+        tree: HiRadixTree,
+        tiers: list[StorageTier],
+        policy: PrefetchPolicy,
+        threshold_tokens: int,
+        max_concurrent: int,
+        alloc_host: Callable[[int], Awaitable[list[int]]],
+        free_host: Callable[[list[int]], None],
+        insert_host: Callable[[TokenBytes, int, list[int]], list[TreeNode]],
+        spawn: Callable[[Callable[[], Awaitable[None]]], None],
+        counters: Counters,
+        jobs: JobTracker,
+        page_bytes: int,
+    ) -> None:
+        self.tree = tree
+        self.tiers = tiers
+        self.policy = policy
+        self.threshold_tokens = threshold_tokens
+        self.limiter = anyio.CapacityLimiter(max_concurrent)
+        self.alloc_host = alloc_host
+        self.free_host = free_host
+        self.insert_host = insert_host
+        self.spawn = spawn
+        self.counters = counters
+        self.jobs = jobs
+        self.page_bytes = page_bytes
+        self.page_size = tree.page_size
+        self.running: dict[bytes, Prefetch] = {}  # by the key of its first page
+
+    # -- probing --------------------------------------------------------------------------------
+
+    def _seed(self, match: MatchResult) -> bytes:
+        """The key before the first page not in memory (the chain continues from it)."""
+        if match.pages == 0:
+            return self.tree.seed
+        return match.path[-1].keys[match.last_pages - 1]
+
+    async def probe(self, tb: TokenBytes, match: MatchResult) -> StorageHit | None:
+        """Ask the tiers, in order, for the pages after ``match``; ``None`` if there are none."""
+        pb = self.page_size * TOKEN_BYTES
+        full = len(tb) // pb
+        if not self.tiers or match.pages >= full:
+            return None
+        keys = chain_keys(self._seed(match), tb[match.pages * pb : full * pb], self.page_size)
+        segments: list[tuple[StorageTier, int, int]] = []
+        pos = 0
+        for tier in self.tiers:
+            if pos == len(keys):
+                break
+            n = await tier.exists(keys[pos:])
+            if n:
+                segments.append((tier, pos, n))
+                pos += n
+        if not pos:
+            return None
+        return StorageHit(match.pages, keys[:pos], segments, self.page_size)
+
+    def worth_it(self, hit: StorageHit | None) -> bool:
+        return hit is not None and hit.tokens >= max(self.threshold_tokens, 1)
+
+    # -- starting -------------------------------------------------------------------------------
+
+    def start(self, tb: TokenBytes, hit: StorageHit, anchor: TreeNode | None) -> Prefetch:
+        """Start fetching ``hit`` (or join the prefetch already fetching it).
+
+        ``anchor`` is the node holding the page just before ``hit`` (pinned by the caller).
+        """
+        running = self.running.get(hit.keys[0])
+        if running is not None and not running.cancelled:
+            return running
+        pb = self.page_size * TOKEN_BYTES
+        op = Prefetch(
+            tokens_bytes=tb[: (hit.first_page + len(hit.keys)) * pb],
+            first_page=hit.first_page,
+            keys=hit.keys,
+            segments=hit.segments,
+            page_size=self.page_size,
+            created=anyio.current_time(),
+            _pin=Pin(anchor) if anchor is not None else None,
+        )
+        self.running[hit.keys[0]] = op
+        self.jobs.add()
+        self.counters.prefetches += 1
+        try:
+            self.spawn(lambda: self._run(op))
+        except BaseException:
+            self._finish(op)
+            raise
+        return op
+
+    async def before_retrieve(self, tb: TokenBytes) -> None:
+        """Let storage pages of ``tb`` arrive as the policy allows, then end their prefetch."""
+        if not self.tiers:
+            return
+        match = self.tree.match(tb)
+        pb = self.page_size * TOKEN_BYTES
+        if match.pages >= len(tb) // pb:
+            return
+        first_key = chain_keys(self._seed(match), tb[match.pages * pb : (match.pages + 1) * pb], self.page_size)[0]
+        op = self.running.get(first_key)
+        if op is None:
+            if self.policy.wait_s(self.threshold_tokens) <= 0:
+                return  # best effort: only what a lookup already started can help
+            anchor = match.path[-1] if match.path else None
+            pin = Pin(anchor) if anchor is not None else None
+            try:
+                hit = await self.probe(tb, match)
+                if not self.worth_it(hit):
+                    return
+                assert hit is not None
+                op = self.start(tb, hit, anchor)
+            finally:
+                if pin is not None:
+                    pin.release()
+        try:
+            wait = self.policy.wait_s(op.tokens)
+            await op.wait(None if math.isinf(wait) else op.created + wait - anyio.current_time())
+        finally:
+            op.cancel()
+
+    def cancel_all(self) -> None:
+        for op in list(self.running.values()):
+            op.cancel()
+
+    # -- running --------------------------------------------------------------------------------
+
+    async def _run(self, op: Prefetch) -> None:
+        try:
+            with op._scope:
+                async with self.limiter:
+                    for tier, start, count in op.segments:
+                        pos, end = start, start + count
+                        while pos < end:
+                            pages = await self.alloc_host(min(tier.batch_pages, end - pos))
+                            if not pages:
+                                return  # the host is full of pinned pages
+                            try:
+                                got = await tier.fetch(op.keys[pos : pos + len(pages)], pages)
+                            except BaseException:
+                                self.free_host(pages)
+                                raise
+                            if not self._publish(op, tier, pos, pages, got) or got < len(pages):
+                                return
+                            pos += got
+        finally:
+            self._finish(op)
+
+    def _publish(self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int], got: int) -> bool:
+        """Insert the ``got`` verified pages as host-only nodes; free the rest. False: stop here."""
+        self.free_host(pages[got:])
+        if not got:
+            return False
+        pb = self.page_size * TOKEN_BYTES
+        end = op.first_page + pos + got
+        prefix = op.tokens_bytes[: end * pb]
+        for node in self.insert_host(prefix, op.first_page + pos, pages[:got]):
+            node.stored = True
+            node.source = tier.name
+        match = self.tree.match(prefix)
+        if match.pages < end:
+            return False  # the pages before ours left the cache: ours could not be attached
+        if op._pin is not None:
+            op._pin.release()
+        op._pin = Pin(match.path[-1])  # keep the chain attached for the next batch
+        op.arrived_pages += got
+        op.by_tier[tier.name] = op.by_tier.get(tier.name, 0) + got * self.page_size
+        self.counters.prefetched_pages += got
+        self.counters.bytes_moved["storage_to_host"] += got * self.page_bytes
+        return True
+
+    def _finish(self, op: Prefetch) -> None:
+        if op._pin is not None:
+            op._pin.release()
+            op._pin = None
+        if self.running.get(op.keys[0]) is op:
+            del self.running[op.keys[0]]
+        op._done.set()
+        self.jobs.done()

@@ -1,0 +1,305 @@
+"""The storage backend interface: three async operations over page keys, and the shared work around them.
+
+A backend stores opaque pages (``header + payload``, see ``page_format.py``) under 16-byte page
+keys. Writing one is a small class::
+
+    class MyBackend(StorageBackend):
+        kind = "mine"
+
+        class Settings(BackendSettings):          # validated from the tier's YAML entry
+            url: str
+
+        async def _exists(self, keys) -> int: ...          # consecutive keys present from the start
+        async def _get(self, keys, into) -> int: ...       # read pages into the given buffers
+        async def _set(self, keys, pages) -> int: ...      # store pages; a failed one is never "present"
+
+The public verbs (``exists``, ``get``, ``set``, ``delete``, ``clear``, ``stats``, ``aclose``) do the
+shared work once for every backend: argument checks, batching (``max_batch`` pages per call of the
+narrow method), the per-call timeout, mapping foreign exceptions to ``StorageBackendError`` /
+``StorageTimeoutError``, and metrics. ``get`` hands the backend *destinations*: a ``PageIO`` whose
+payload may be a host-pool page itself, so a backend that can read in place (``preadv``, RDMA) moves
+each byte once.
+
+All three return "how many consecutive pages from the start": pages are chained (each key names its
+whole prefix), so a page after a gap is of no use. A backend is entered with ``async with`` (or
+``open()`` / ``aclose()``); its constructor does no I/O.
+
+Timeouts cancel the narrow call. A backend that runs blocking I/O in worker threads finishes the
+batch in hand first (a thread cannot be interrupted, and its buffers must outlive it), so for such
+backends the timeout bounds the wait between batches, not a stuck system call.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, NamedTuple
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ...errors import (
+    CacheClosedError,
+    ConfigError,
+    HiCacheError,
+    InvalidRequestError,
+    StorageBackendError,
+    StorageTimeoutError,
+)
+from ...keys import KEY_BYTES
+from .page_format import HEADER_BYTES
+
+__all__ = ["BackendSettings", "PageIO", "StorageBackend", "StorageBackendStats"]
+
+_VERBS = ("exists", "get", "set", "delete", "clear")
+
+
+class PageIO(NamedTuple):
+    """One page as two buffers: the header and the payload (for ``get``, both writable)."""
+
+    header: memoryview
+    payload: memoryview
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + len(self.payload)
+
+
+class BackendSettings(BaseModel):
+    """Settings every backend has; a backend's own ``Settings`` subclass adds its fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    timeout_s: float = Field(default=10.0, gt=0)
+
+
+@dataclass(frozen=True)
+class StorageBackendStats:
+    """A snapshot of one backend's traffic and health.
+
+    ``errors`` and ``timeouts`` count failed calls (the cache turned each into a miss or an unrecorded
+    write). ``used_bytes``/``capacity_bytes``/``stored_pages`` are ``None`` where the backend cannot tell.
+    """
+
+    kind: str
+    calls: MappingProxyType[str, int]
+    pages_read: int
+    pages_written: int
+    bytes_read: int
+    bytes_written: int
+    errors: int
+    timeouts: int
+    seconds: MappingProxyType[str, float]  # time spent in each verb
+    used_bytes: int | None
+    capacity_bytes: int | None
+    stored_pages: int | None
+    evicted_pages: int
+    corrupt_pages: int  # pages that failed verification (truncated, foreign, bad checksum): misses
+
+
+class StorageBackend(ABC):
+    """Base class of every storage backend; see the module docstring."""
+
+    kind: ClassVar[str] = "backend"
+    Settings: ClassVar[type[BackendSettings]] = BackendSettings
+    #: Most pages handed to one call of ``_get`` / ``_set`` / ``_exists``.
+    max_batch: ClassVar[int] = 256
+
+    def __init__(self, **options: Any) -> None:
+        try:
+            self.settings = self.Settings.model_validate(options)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '(settings)'}: {err['msg']}"
+                for err in exc.errors(include_url=False)
+            )
+            raise ConfigError(f"storage backend {self.kind!r}: {problems}") from exc
+        self._is_open = False
+        self._calls = dict.fromkeys(_VERBS, 0)
+        self._seconds = dict.fromkeys(_VERBS, 0.0)
+        self._pages_read = self._pages_written = 0
+        self._bytes_read = self._bytes_written = 0
+        self._errors = self._timeouts = 0
+        self.evicted_pages = 0
+        self.corrupt_pages = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> StorageBackend:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        if not self._is_open:
+            await self._open()
+            self._is_open = True
+
+    async def aclose(self) -> None:
+        if self._is_open:
+            self._is_open = False
+            await self._aclose()
+
+    # -- public verbs ---------------------------------------------------------------------------
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, the backend holds."""
+        self._check_keys(keys)
+        found = 0
+        for start in range(0, len(keys), self.max_batch):
+            chunk = keys[start : start + self.max_batch]
+            n = await self._call("exists", self._exists, chunk)
+            found += min(max(n, 0), len(chunk))
+            if n < len(chunk):
+                break
+        return found
+
+    async def get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        """Read pages ``keys`` into ``into``; return how many consecutive pages landed.
+
+        Buffers past the returned count hold unspecified bytes. Nothing is verified here: the
+        caller checks each header (``PageCodec.check``) before using a page.
+        """
+        self._check_keys(keys)
+        self._check_pages(keys, into)
+        done = 0
+        for start in range(0, len(keys), self.max_batch):
+            chunk = keys[start : start + self.max_batch]
+            n = min(max(await self._call("get", self._get, chunk, into[start : start + len(chunk)]), 0), len(chunk))
+            done += n
+            self._pages_read += n
+            self._bytes_read += sum(io.nbytes for io in into[start : start + n])
+            if n < len(chunk):
+                break
+        return done
+
+    async def set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        """Store ``pages`` under ``keys``; return how many consecutive pages were stored.
+
+        A page the backend failed to store is never reported as present afterwards.
+        """
+        self._check_keys(keys)
+        self._check_pages(keys, pages)
+        done = 0
+        for start in range(0, len(keys), self.max_batch):
+            chunk = keys[start : start + self.max_batch]
+            n = min(max(await self._call("set", self._set, chunk, pages[start : start + len(chunk)]), 0), len(chunk))
+            done += n
+            self._pages_written += n
+            self._bytes_written += sum(io.nbytes for io in pages[start : start + n])
+            if n < len(chunk):
+                break
+        return done
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        """Remove ``keys`` (missing ones are ignored): used to drop pages that failed verification."""
+        self._check_keys(keys)
+        for start in range(0, len(keys), self.max_batch):
+            await self._call("delete", self._delete, keys[start : start + self.max_batch])
+
+    async def clear(self) -> None:
+        """Remove every page this backend holds."""
+        self._check_open()
+        await self._call("clear", self._clear)
+
+    def stats(self) -> StorageBackendStats:
+        used, capacity, pages = self._usage()
+        return StorageBackendStats(
+            kind=self.kind,
+            calls=MappingProxyType(dict(self._calls)),
+            pages_read=self._pages_read,
+            pages_written=self._pages_written,
+            bytes_read=self._bytes_read,
+            bytes_written=self._bytes_written,
+            errors=self._errors,
+            timeouts=self._timeouts,
+            seconds=MappingProxyType(dict(self._seconds)),
+            used_bytes=used,
+            capacity_bytes=capacity,
+            stored_pages=pages,
+            evicted_pages=self.evicted_pages,
+            corrupt_pages=self.corrupt_pages,
+        )
+
+    # -- what a backend implements --------------------------------------------------------------
+
+    @abstractmethod
+    async def _exists(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are stored."""
+
+    @abstractmethod
+    async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        """Read each page into ``into[i].header`` then ``into[i].payload``; return the consecutive count.
+
+        A page that is missing, or whose stored size differs from the buffers, ends the count.
+        """
+
+    @abstractmethod
+    async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        """Store ``header + payload`` of each page atomically; return the consecutive count."""
+
+    async def _delete(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional hook
+        """Remove ``keys``; backends that cannot delete leave bad pages to be overwritten."""
+
+    async def _clear(self) -> None:
+        raise NotImplementedError(f"the {self.kind} backend cannot clear")
+
+    async def _open(self) -> None:  # noqa: B027 - optional hook
+        """Connect, scan, allocate: whatever must happen before the first call."""
+
+    async def _aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release connections, files, threads."""
+
+    def _usage(self) -> tuple[int | None, int | None, int | None]:
+        """``(used_bytes, capacity_bytes, stored_pages)``, ``None`` where unknown."""
+        return None, None, None
+
+    # -- shared work ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if not self._is_open:
+            raise CacheClosedError(f"storage backend {self.kind!r} is not open (use `async with backend`)")
+
+    def _check_keys(self, keys: Sequence[bytes]) -> None:
+        self._check_open()
+        if isinstance(keys, (bytes, bytearray, str)):
+            raise InvalidRequestError("keys must be a sequence of page keys, not a single key")
+        for key in keys:
+            if type(key) is not bytes or len(key) != KEY_BYTES:
+                raise InvalidRequestError(f"a page key is {KEY_BYTES} bytes, got {key!r:.60}")
+
+    @staticmethod
+    def _check_pages(keys: Sequence[bytes], pages: Sequence[PageIO]) -> None:
+        if len(pages) != len(keys):
+            raise InvalidRequestError(f"{len(keys)} keys but {len(pages)} page buffers")
+        for io in pages:
+            if len(io.header) != HEADER_BYTES:
+                raise InvalidRequestError(f"a page header buffer is {HEADER_BYTES} bytes, got {len(io.header)}")
+
+    async def _call(self, verb: str, fn: Any, *args: Any) -> Any:
+        self._calls[verb] += 1
+        start = time.perf_counter()
+        try:
+            with anyio.fail_after(self.settings.timeout_s):
+                return await fn(*args)
+        except TimeoutError as exc:
+            self._timeouts += 1
+            raise StorageTimeoutError(self.kind, verb, f"no answer within {self.settings.timeout_s}s") from exc
+        except HiCacheError:
+            self._errors += 1
+            raise
+        except Exception as exc:
+            self._errors += 1
+            raise StorageBackendError(self.kind, verb, repr(exc)) from exc
+        finally:
+            self._seconds[verb] += time.perf_counter() - start
+
+    def __repr__(self) -> str:
+        used, capacity, pages = self._usage()
+        state = "open" if self._is_open else "closed"
+        return f"<{type(self).__name__} {state} pages={pages} used={used} capacity={capacity}>"

@@ -1,0 +1,73 @@
+"""``kind: memory``: an in-process backend, the reference example for writing backends.
+
+Pages live in an ordered dict (least recently used first) bounded by ``capacity`` bytes. It shares
+nothing across processes; use it to try a storage tier, in tests, or as a template.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ...config import ByteSize
+from .base import BackendSettings, PageIO, StorageBackend
+
+__all__ = ["MemoryBackend"]
+
+
+class MemoryBackend(StorageBackend):
+    kind = "memory"
+
+    class Settings(BackendSettings):
+        capacity: ByteSize = 1024**3
+
+    settings: Settings
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self._pages: OrderedDict[bytes, bytes] = OrderedDict()
+        self._used = 0
+
+    async def _exists(self, keys: Sequence[bytes]) -> int:
+        for i, key in enumerate(keys):
+            if key not in self._pages:
+                return i
+        return len(keys)
+
+    async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        for i, (key, io) in enumerate(zip(keys, into, strict=True)):
+            blob = self._pages.get(key)
+            if blob is None or len(blob) != io.nbytes:
+                return i
+            self._pages.move_to_end(key)
+            io.header[:] = blob[: len(io.header)]
+            io.payload[:] = blob[len(io.header) :]
+        return len(keys)
+
+    async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        for i, (key, io) in enumerate(zip(keys, pages, strict=True)):
+            if io.nbytes > self.settings.capacity:
+                return i
+            self._drop(key)
+            while self._used + io.nbytes > self.settings.capacity:
+                self._drop(next(iter(self._pages)))
+                self.evicted_pages += 1
+            self._pages[key] = bytes(io.header) + bytes(io.payload)
+            self._used += io.nbytes
+        return len(keys)
+
+    def _drop(self, key: bytes) -> None:
+        blob = self._pages.pop(key, None)
+        if blob is not None:
+            self._used -= len(blob)
+
+    async def _delete(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._drop(key)
+
+    async def _clear(self) -> None:
+        self._pages.clear()
+        self._used = 0
+
+    def _usage(self) -> tuple[int, int, int]:
+        return self._used, self.settings.capacity, len(self._pages)
