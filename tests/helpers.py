@@ -53,7 +53,7 @@ def assert_consistent(cache: HiCache, pins: Iterable[TreeNode] = (), *, quiescen
             assert len(node.host) == node.num_pages
             used["host"].update(node.host)
         if quiescent:
-            assert node.loading is None and not node.backing_up, f"{node!r} still in flight"
+            assert node.loading is None and not node.backing_up and not node.storing, f"{node!r} still in flight"
             assert node.lock_ref == expected_locks[node.id], f"{node!r}: lock_ref {node.lock_ref} != {expected_locks[node.id]}"
     for name, tier in (("device", ctl.device), ("host", ctl.host)):
         twice = [p for p, n in used[name].items() if n > 1]
@@ -64,3 +64,12 @@ def assert_consistent(cache: HiCache, pins: Iterable[TreeNode] = (), *, quiescen
             assert tier.used_pages == len(used[name]), (
                 f"{name}: {tier.used_pages} pages allocated but {len(used[name])} referenced (leak)"
             )
+
+
+async def push_to_storage(cache: HiCache) -> None:
+    """Let pending writes finish, then evict everything from device and host: only storage is left."""
+    await cache.wait_idle()
+    evictor = cache.controller.evictor
+    await evictor.evict_device(cache.controller.device.num_pages)
+    await evictor.evict_host(cache.controller.host.num_pages)
+    assert not list(cache.controller.tree.nodes()), "something is still cached in memory"

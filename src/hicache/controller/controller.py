@@ -222,7 +222,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             "backup": self._backup_send.statistics().current_buffer_used,
             "load": self._load_send.statistics().current_buffer_used,
             "storage": storage.statistics().current_buffer_used if storage is not None else 0,
-            "prefetch": len(self.prefetcher.running),
+            "prefetch": len({id(op) for op in self.prefetcher.running.values()}),
         }
 
     # -- backup (device -> host) ----------------------------------------------------------------

@@ -130,7 +130,7 @@ class Prefetcher:
         self.jobs = jobs
         self.page_bytes = page_bytes
         self.page_size = tree.page_size
-        self.running: dict[bytes, Prefetch] = {}  # by the key of its first page
+        self.running: dict[bytes, Prefetch] = {}  # by the key of every page it fetches
 
     # -- probing --------------------------------------------------------------------------------
 
@@ -183,7 +183,8 @@ class Prefetcher:
             created=anyio.current_time(),
             _pin=Pin(anchor) if anchor is not None else None,
         )
-        self.running[hit.keys[0]] = op
+        for k in hit.keys:
+            self.running[k] = op  # a later request may need it from any page on (some arrived)
         self.jobs.add()
         self.counters.prefetches += 1
         try:
@@ -224,7 +225,7 @@ class Prefetcher:
             op.cancel()
 
     def cancel_all(self) -> None:
-        for op in list(self.running.values()):
+        for op in {id(op): op for op in self.running.values()}.values():
             op.cancel()
 
     # -- running --------------------------------------------------------------------------------
@@ -277,7 +278,8 @@ class Prefetcher:
         if op._pin is not None:
             op._pin.release()
             op._pin = None
-        if self.running.get(op.keys[0]) is op:
-            del self.running[op.keys[0]]
+        for k in op.keys:
+            if self.running.get(k) is op:
+                del self.running[k]
         op._done.set()
         self.jobs.done()

@@ -9,6 +9,7 @@ unrecorded write, counted, so a broken backend can never fail a request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -54,6 +55,10 @@ class StorageTier:
         self.skipped_pages = 0
         self.failures = 0
         self.hit_tokens = 0
+        # Layer-first pools stage pages through reusable buffers (a fresh allocation page-faults
+        # at ~2.7 GB/s here); one for reads and one for writes, each used by one batch at a time.
+        self._staging: dict[str, torch.Tensor] = {}
+        self._staging_locks = {"read": anyio.Lock(), "write": anyio.Lock()}
 
     async def __aenter__(self) -> StorageTier:
         await self.backend.open()
@@ -68,13 +73,20 @@ class StorageTier:
     def _in_place(self) -> bool:
         return self.host.layout == "page_first"
 
-    def _page_ios(self, host_pages: Sequence[int]) -> tuple[list[PageIO], torch.Tensor | None]:
-        """Header and payload buffers for ``host_pages``; the staging tensor when not in place."""
+    def _page_ios(self, host_pages: Sequence[int], direction: str) -> tuple[list[PageIO], torch.Tensor | None]:
+        """Header and payload buffers for ``host_pages``; the staging rows when not in place.
+
+        Not in place, the caller holds ``self._staging_locks[direction]`` while the buffers live.
+        """
         headers = np.zeros((len(host_pages), HEADER_BYTES), dtype=np.uint8)
         if self._in_place:
             buf = self.host.buffer
             return [PageIO(memoryview(headers[i]), _bytes_of(buf[p])) for i, p in enumerate(host_pages)], None
-        staging = torch.empty((len(host_pages), self.codec.payload_bytes), dtype=torch.uint8)
+        staging = self._staging.get(direction)
+        if staging is None:
+            staging = torch.zeros((self.batch_pages, self.codec.payload_bytes), dtype=torch.uint8)  # pre-faulted
+            self._staging[direction] = staging
+        staging = staging[: len(host_pages)]
         return [PageIO(memoryview(headers[i]), _bytes_of(staging[i])) for i in range(len(host_pages))], staging
 
     def _staged_view(self, staging: torch.Tensor) -> torch.Tensor:
@@ -85,10 +97,12 @@ class StorageTier:
     # -- thread-side work -----------------------------------------------------------------------
 
     def _encode(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[PageIO]:
-        ios, staging = self._page_ios(host_pages)
+        ios, staging = self._page_ios(host_pages, "write")
         if staging is not None:
-            idx = torch.tensor(list(host_pages), dtype=torch.long)
-            self._staged_view(staging).copy_(self.host.page_major().index_select(0, idx))
+            # One strided copy per page (C x L runs of a page's elements): ~8 GB/s here.
+            pm, dst = self.host.page_major(), self._staged_view(staging)
+            for i, p in enumerate(host_pages):
+                dst[i].copy_(pm[p])
         for key, io in zip(keys, ios, strict=True):
             self.codec.encode(key, io.payload, io.header)
         return ios
@@ -133,13 +147,16 @@ class StorageTier:
         for start in range(0, len(keys), self.batch_pages):
             k = keys[start : start + self.batch_pages]
             pages = host_pages[start : start + self.batch_pages]
-            ios, staging = self._page_ios(pages)
-            try:
-                n = await self.backend.get(k, ios)
-            except StorageError as exc:
-                self._failed(exc)
-                return total
-            good, reason = await anyio.to_thread.run_sync(self._verify, k[:n], ios[:n], staging, pages, limiter=self.limiter)
+            async with self._staging_lock("read"):
+                ios, staging = self._page_ios(pages, "read")
+                try:
+                    n = await self.backend.get(k, ios)
+                except StorageError as exc:
+                    self._failed(exc)
+                    return total
+                good, reason = await anyio.to_thread.run_sync(
+                    self._verify, k[:n], ios[:n], staging, pages, limiter=self.limiter
+                )
             total += good
             self.fetched_pages += good
             if reason is not None:
@@ -159,17 +176,23 @@ class StorageTier:
         total = 0
         for start in range(0, len(keys), self.batch_pages):
             k = keys[start : start + self.batch_pages]
-            ios = await anyio.to_thread.run_sync(self._encode, k, host_pages[start : start + self.batch_pages], limiter=self.limiter)
-            try:
-                n = await self.backend.set(k, ios)
-            except StorageError as exc:
-                self._failed(exc)
-                return total
+            async with self._staging_lock("write"):
+                ios = await anyio.to_thread.run_sync(
+                    self._encode, k, host_pages[start : start + self.batch_pages], limiter=self.limiter
+                )
+                try:
+                    n = await self.backend.set(k, ios)
+                except StorageError as exc:
+                    self._failed(exc)
+                    return total
             total += n
             self.stored_pages += n
             if n < len(k):
                 break
         return total
+
+    def _staging_lock(self, direction: str) -> anyio.Lock | contextlib.nullcontext[None]:
+        return contextlib.nullcontext() if self._in_place else self._staging_locks[direction]
 
     def _failed(self, exc: StorageError) -> None:
         self.failures += 1

@@ -1,0 +1,218 @@
+"""The backend contract: one suite, run against every storage backend.
+
+A new backend joins by adding a fixture case to ``backend_factory`` (server-backed ones may skip
+when their server cannot start). The suite talks to backends through the public verbs only, with
+raw ``PageIO`` buffers, so it checks the backend, not the cache around it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicache.errors import CacheClosedError, InvalidRequestError
+from hicache.tiers.storage import HEADER_BYTES, PageIO, StorageBackend
+from hicache.tiers.storage.file import FileBackend
+from hicache.tiers.storage.memory import MemoryBackend
+
+PAYLOAD = 4096
+PAGE = HEADER_BYTES + PAYLOAD
+
+BackendFactory = Callable[..., StorageBackend]
+
+
+@pytest.fixture(params=["memory", "file"])
+def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
+    """``factory(**settings)`` builds a fresh backend of this kind (file: in a per-test folder)."""
+    if request.param == "memory":
+        return lambda **kw: MemoryBackend(**kw)
+    return lambda **kw: FileBackend(path=str(tmp_path / "pages"), **kw)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "big") * 4
+
+
+def page(i: int, salt: int = 0) -> PageIO:
+    rng = np.random.default_rng(i * 7919 + salt)
+    header = rng.integers(0, 256, HEADER_BYTES, dtype=np.uint8)
+    payload = rng.integers(0, 256, PAYLOAD, dtype=np.uint8)
+    return PageIO(memoryview(header), memoryview(payload))
+
+
+def empty(n: int) -> list[PageIO]:
+    return [PageIO(memoryview(np.zeros(HEADER_BYTES, np.uint8)), memoryview(np.zeros(PAYLOAD, np.uint8))) for _ in range(n)]
+
+
+def same(a: PageIO, b: PageIO) -> bool:
+    return bytes(a.header) == bytes(b.header) and bytes(a.payload) == bytes(b.payload)
+
+
+@asynccontextmanager
+async def opened(factory: BackendFactory, **settings: object) -> AsyncIterator[StorageBackend]:
+    async with factory(**settings) as backend:
+        yield backend
+
+
+async def test_set_then_get_is_bit_exact(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory) as b:
+        keys = [key(i) for i in range(5)]
+        assert await b.set(keys, [page(i) for i in range(5)]) == 5
+        out = empty(5)
+        assert await b.get(keys, out) == 5
+        assert all(same(out[i], page(i)) for i in range(5))
+
+
+async def test_exists_counts_consecutive_keys_from_the_start(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory) as b:
+        await b.set([key(0), key(1), key(3)], [page(0), page(1), page(3)])
+        assert await b.exists([key(0), key(1), key(2), key(3)]) == 2
+        assert await b.exists([key(2), key(3)]) == 0
+        assert await b.exists([key(3)]) == 1
+        assert await b.exists([]) == 0
+
+
+async def test_get_stops_at_the_first_missing_page(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory) as b:
+        await b.set([key(0), key(2)], [page(0), page(2)])
+        out = empty(3)
+        assert await b.get([key(0), key(1), key(2)], out) == 1
+        assert same(out[0], page(0))
+
+
+async def test_overwrite_keeps_the_latest_page(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory) as b:
+        await b.set([key(0)], [page(0)])
+        await b.set([key(0)], [page(0, salt=1)])
+        out = empty(1)
+        assert await b.get([key(0)], out) == 1
+        assert same(out[0], page(0, salt=1))
+        assert b.stats().stored_pages == 1
+
+
+async def test_delete_and_clear(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory) as b:
+        keys = [key(i) for i in range(4)]
+        await b.set(keys, [page(i) for i in range(4)])
+        await b.delete([key(1), key(99)])  # a missing key is ignored
+        assert await b.exists(keys) == 1
+        assert await b.exists(keys[2:]) == 2
+        await b.clear()
+        assert await b.exists(keys) == 0
+        assert b.stats().stored_pages == 0 and b.stats().used_bytes == 0
+
+
+async def test_capacity_evicts_least_recently_used(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory, capacity=3 * PAGE) as b:
+        await b.set([key(0), key(1), key(2)], [page(0), page(1), page(2)])
+        assert await b.get([key(0)], empty(1)) == 1  # page 0 is now the most recently used
+        await b.set([key(3), key(4)], [page(3), page(4)])
+        assert [await b.exists([key(i)]) for i in range(5)] == [1, 0, 0, 1, 1]
+        stats = b.stats()
+        assert stats.evicted_pages == 2
+        assert stats.used_bytes is not None and stats.used_bytes <= 3 * PAGE
+
+
+async def test_batches_larger_than_max_batch(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory) as b:
+        n = b.max_batch + 7
+        keys = [key(i) for i in range(n)]
+        assert await b.set(keys, [page(i) for i in range(n)]) == n
+        assert await b.exists(keys) == n
+        out = empty(n)
+        assert await b.get(keys, out) == n
+        assert same(out[-1], page(n - 1))
+
+
+async def test_stats_count_traffic(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory) as b:
+        await b.set([key(0), key(1)], [page(0), page(1)])
+        await b.get([key(0), key(1)], empty(2))
+        await b.exists([key(0)])
+        s = b.stats()
+        assert (s.pages_written, s.pages_read) == (2, 2)
+        assert s.bytes_written == s.bytes_read == 2 * PAGE
+        assert s.calls["set"] == s.calls["get"] == s.calls["exists"] == 1
+        assert (s.errors, s.timeouts, s.corrupt_pages) == (0, 0, 0)
+        assert s.stored_pages == 2
+
+
+async def test_bad_arguments_raise_typed_errors(backend_factory: BackendFactory) -> None:
+    backend = backend_factory()
+    with pytest.raises(CacheClosedError):
+        await backend.exists([key(0)])
+    async with backend as b:
+        with pytest.raises(InvalidRequestError, match="16 bytes"):
+            await b.exists([b"short"])
+        with pytest.raises(InvalidRequestError, match="single key"):
+            await b.exists(key(0))  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequestError, match="2 keys but 1"):
+            await b.set([key(0), key(1)], [page(0)])
+        with pytest.raises(InvalidRequestError, match="header"):
+            await b.set([key(0)], [PageIO(memoryview(b"x"), page(0).payload)])
+        assert await b.exists([key(0)]) == 0  # nothing was written by the rejected calls
+
+
+# -- file backend specifics ----------------------------------------------------------------------
+
+
+async def test_file_pages_survive_a_restart(tmp_path: Path) -> None:
+    root = tmp_path / "pages"
+    async with FileBackend(path=str(root)) as b:
+        await b.set([key(i) for i in range(3)], [page(i) for i in range(3)])
+    async with FileBackend(path=str(root)) as b:
+        assert b.stats().stored_pages == 3
+        out = empty(3)
+        assert await b.get([key(i) for i in range(3)], out) == 3
+        assert all(same(out[i], page(i)) for i in range(3))
+
+
+async def test_file_names_come_from_keys_only(tmp_path: Path) -> None:
+    async with FileBackend(path=str(tmp_path)) as b:
+        await b.set([key(1)], [page(1)])
+        files = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file()]
+        assert files == [f"{key(1).hex()[:2]}/{key(1).hex()}.kv"]
+
+
+async def test_file_finds_pages_another_process_wrote_after_it_opened(tmp_path: Path) -> None:
+    async with FileBackend(path=str(tmp_path)) as reader, FileBackend(path=str(tmp_path)) as writer:
+        await writer.set([key(0), key(1)], [page(0), page(1)])
+        assert await reader.exists([key(0), key(1)]) == 2
+        out = empty(2)
+        assert await reader.get([key(0), key(1)], out) == 2 and same(out[1], page(1))
+
+
+async def test_file_truncated_page_is_a_miss_and_removed(tmp_path: Path) -> None:
+    async with FileBackend(path=str(tmp_path)) as b:
+        await b.set([key(0)], [page(0)])
+        path = b.path_of(key(0))
+        os.truncate(path, PAGE - 100)
+        assert await b.get([key(0)], empty(1)) == 0
+        assert not path.exists()
+        assert b.stats().corrupt_pages == 1
+        assert await b.exists([key(0)]) == 0
+
+
+async def test_file_stale_temporary_files_are_removed_at_open(tmp_path: Path) -> None:
+    shard = tmp_path / "ab"
+    shard.mkdir()
+    stale, fresh = shard / ".x.1.dead.tmp", shard / ".y.2.live.tmp"
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    os.utime(stale, (0, 0))
+    async with FileBackend(path=str(tmp_path)) as b:
+        assert b.stats().stored_pages == 0
+    assert not stale.exists() and fresh.exists()
+
+
+async def test_file_fsync_never_still_writes_atomically(tmp_path: Path) -> None:
+    async with FileBackend(path=str(tmp_path), fsync="never") as b:
+        await b.set([key(0)], [page(0)])
+        out = empty(1)
+        assert await b.get([key(0)], out) == 1 and same(out[0], page(0))
+        assert not list(tmp_path.rglob("*.tmp"))
