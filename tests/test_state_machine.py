@@ -189,7 +189,7 @@ class Machine:
         n = view.tokens
         assert n % PAGE == 0 and n <= len(tokens), f"retrieve reported {n} tokens of {len(tokens)}"
         assert self.was_stored(tokens, n), f"retrieve reported {n} tokens that were never stored"
-        assert view.by_tier["device"] + view.by_tier["host"] == n, dict(view.by_tier)
+        assert sum(view.by_tier.values()) == n, dict(view.by_tier)
         assert len(view.device_pages) == n // PAGE
         allocator = self.cache.controller.device.allocator
         freed = [p for p in view.device_pages if not allocator.is_allocated(p)]
@@ -233,7 +233,7 @@ class Machine:
         view = await lease.__aenter__()
         try:
             assert hit.tokens % PAGE == 0 and 0 <= hit.tokens <= len(tokens), hit
-            assert hit.by_tier["device"] + hit.by_tier["host"] == hit.tokens, dict(hit.by_tier)
+            assert sum(hit.by_tier.values()) == hit.tokens, dict(hit.by_tier)
             assert self.was_stored(tokens, hit.tokens), f"lookup reported {hit.tokens} tokens never stored"
             # The device-resident part is pinned as matched; only the host-only tail may be cut short.
             assert hit.by_tier["device"] <= view.tokens <= hit.tokens, (dict(hit.by_tier), view)
@@ -356,6 +356,16 @@ CONFIGS = [
         id=f"{write}-layer_first-direct",
     )
     for write in ("write_through", "write_back")
+] + [
+    pytest.param(
+        {
+            "policies": {"write": write, "prefetch": prefetch, "prefetch_threshold_tokens": 0},
+            "tiers": {"storage": [{"kind": "memory", "capacity": 24 * 2048}]},
+            "controller": {"storage_batch_bytes": 2 * 2048},
+        },
+        id=f"{write}-storage-{prefetch}",
+    )
+    for write, prefetch in (("write_through", "wait_complete"), ("write_back", "timeout"), ("write_through", "best_effort"))
 ]
 
 
@@ -367,7 +377,7 @@ def test_configs_hold_the_intended_pages(overrides: dict[str, Any]) -> None:
     assert config.tiers.device.capacity == DEVICE_PAGES * config.page_bytes
     assert config.tiers.host.capacity == HOST_PAGES * config.page_bytes
     assert config.policies.write == overrides["policies"]["write"]
-    if "tiers" in overrides:
+    if "io" in overrides:
         assert (config.tiers.host.layout, config.io.backend) == ("layer_first", "direct")
 
 
