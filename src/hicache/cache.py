@@ -150,7 +150,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
                     storage_tokens = hit.tokens
                     by_tier.update(hit.by_tier())
                     if prefetch and ctl.prefetcher.worth_it(hit):
-                        ctl.check_open()
                         started = ctl.prefetcher.start(tb, hit, anchor)
             finally:
                 if pin is not None:

@@ -139,6 +139,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             threshold_tokens=self.prefetch_threshold_tokens, max_concurrent=self.max_prefetches,
             alloc_host=lambda n: self.evictor.alloc_host(n, partial=True), free_host=self.host.allocator.free,
             insert_host=lambda tb, first, pages: self.insert_pages(tb, first, [], pages),
+            check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
         )
@@ -306,9 +307,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.counters.backups += len(src)
         self.counters.bytes_moved["device_to_host"] += len(src) * self.device.geometry.page_bytes
         self.kick_eviction()  # backed-up pages may now be evicted for free
-        for job, _ in placed:
-            for covered, _, _ in self.tree.covering(job.node, job.keys):
-                await self.host_copy_made(covered)
+        # Collected before the first await: queueing may wait, and the tree may change meanwhile
+        # (a node evicted by then is no longer wanted, which host_copy_made checks).
+        backed_up = [covered for job, _ in placed for covered, _, _ in self.tree.covering(job.node, job.keys)]
+        for node in backed_up:
+            await self.host_copy_made(node)
 
     # -- storage (host -> storage) --------------------------------------------------------------
 

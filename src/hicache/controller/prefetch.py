@@ -113,6 +113,7 @@ class Prefetcher:
         free_host: Callable[[list[int]], None],
         insert_host: Callable[[TokenBytes, int, list[int]], list[TreeNode]],
         spawn: Callable[[Callable[[], Awaitable[None]]], None],
+        check_open: Callable[[], None],
         counters: Counters,
         jobs: JobTracker,
         page_bytes: int,
@@ -126,6 +127,7 @@ class Prefetcher:
         self.free_host = free_host
         self.insert_host = insert_host
         self.spawn = spawn
+        self.check_open = check_open
         self.counters = counters
         self.jobs = jobs
         self.page_bytes = page_bytes
@@ -173,6 +175,7 @@ class Prefetcher:
         running = self.running.get(hit.keys[0])
         if running is not None and not running.cancelled:
             return running
+        self.check_open()  # the probe awaited: the cache may be closing (no new tasks then)
         pb = self.page_size * TOKEN_BYTES
         op = Prefetch(
             tokens_bytes=tb[: (hit.first_page + len(hit.keys)) * pb],

@@ -16,12 +16,14 @@ Layout: ``<path>/<first two hex digits of the key>/<32 hex digits>.kv``, each fi
   process since are found. Several processes may share a directory; each enforces ``capacity`` on
   what it knows, so their total may exceed it briefly.
 
-I/O path (measured with ``benchmarks/file_io_paths.py``): writes run in ``write_threads`` worker
-threads at once, because concurrent fsyncs share journal commits (one thread: ~0.75x of a raw
-sequential write+fsync; four: ~1.0-1.25x). Reads run in one thread per batch that announces the
-next ``read_ahead`` files with ``posix_fadvise(WILLNEED)`` and ``preadv``s each into the header and
-the payload buffer (a host-pool page when the layout allows): ~0.85-1.0x of a raw sequential cold
-read, against ~0.6x for plain file-by-file reads and ~0.85x for aiofiles (one thread hop per file).
+I/O path (measured with ``benchmarks/file_io_paths.py`` and ``benchmarks/storage.py``): writes run
+in ``write_threads`` worker threads at once, because concurrent fsyncs share journal commits (one
+thread: ~0.7-0.95x of a raw sequential write+fsync of the same bytes; four: ~0.75-0.95x; eight:
+~0.9-1.0x). Reads run in one thread per batch that announces the next ``read_ahead`` files with
+``posix_fadvise(WILLNEED)`` (so the disk has them all in flight) and ``preadv``s each into the header
+and the payload buffer (a host-pool page when the layout allows): ~0.8x of a raw sequential cold read
+of one file, against ~0.6x for plain file-by-file reads and ~0.8x for aiofiles, which pays a thread
+hop per file.
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class FileBackend(StorageBackend):
         path: str = Field(min_length=1)
         capacity: ByteSize = 10 * 1024**3
         fsync: Literal["always", "never"] = "always"
-        write_threads: int = Field(default=4, ge=1, le=64)
-        read_ahead: int = Field(default=8, ge=0, le=256)
+        write_threads: int = Field(default=8, ge=1, le=64)
+        read_ahead: int = Field(default=64, ge=0, le=256)
 
     settings: Settings
 
