@@ -11,12 +11,20 @@ from hicache.cli import main
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "config"
 
 
-def test_demo_runs_and_verifies_every_read(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_runs_and_verifies_every_read(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HICACHE_DEMO_PAGES", str(tmp_path / "pages"))
     main(["demo", "--turns", "3", "--clients", "2", "--turn-tokens", "300"])
     out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.strip().endswith(tuple("0123456789")) and "yes" in line]
+    chat, restart = out.split("restart:")
+    rows = [line.split() for line in chat.splitlines() if line.strip().endswith(tuple("0123456789")) and "yes" in line]
     assert len(rows) == 6 and "NO" not in out
     assert "host" in out and "stats:" in out
+    # After the restart every conversation comes back whole, from the file tier.
+    again = [line.split() for line in restart.splitlines() if "yes" in line]
+    assert [(r[1], r[2], r[3]) for r in again] == [("900", "896", "896")] * 2
+    assert any((tmp_path / "pages").rglob("*.kv"))
 
 
 def test_config_command_prints_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,8 @@
 
 Simulates a multi-turn chat with random KV tensors (no model): each turn's prompt is the whole
 history plus a new message. The device pool is small, so early turns are evicted to the host pool
-and come back from there, layer by layer, bit-exact.
+and come back from there, layer by layer, bit-exact. Then the cache is closed and a new one opened
+on the same file tier, as after a restart: each conversation comes back from storage.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def _kv(config, tokens: list[int]) -> torch.Tensor:
     return (ids * 1e-3 + pos * 1e-6 + base).expand(shape).to(m.torch_dtype).contiguous()
 
 
-async def run(config_path: Path, turns: int, clients: int, turn_tokens: int) -> None:
+async def run(config_path: Path, turns: int, clients: int, turn_tokens: int, keep_storage: bool = False) -> None:
     config = load_config(config_path)
+    if not keep_storage:
+        await _clear_storage(config)
     print(f"hicache demo: config {config_path.name}: model {config.model.name} "
           f"({config.model.num_layers} layers, {config.model.num_kv_heads} KV heads x {config.model.head_dim}, "
           f"{config.model.dtype}), page {config.page_size} tokens = {format_size(config.page_bytes)}")
@@ -66,6 +69,38 @@ async def run(config_path: Path, turns: int, clients: int, turn_tokens: int) -> 
                 history.extend(prompt[len(history):])
         await cache.wait_idle()
         s = cache.stats()
+    _print_stats(s)
+    if config.tiers.storage:
+        await restart(config, histories)
+
+
+async def restart(config, histories: list[list[int]]) -> None:
+    """A fresh cache (empty memory tiers) over the same storage: the history is found again."""
+    print(f"\nrestart: a new cache, memory empty, storage {', '.join(t.tier_name for t in config.tiers.storage)} kept")
+    async with HiCache.from_config(config) as cache:
+        print(f"{'client':>6} {'prompt':>7} {'cached':>7} " + " ".join(f"{name:>7}" for name in cache.stats().storage)
+              + f" {'verified':>9} {'ms':>7}")
+        for client, history in enumerate(histories):
+            start = time.perf_counter()
+            hit = await cache.lookup(history)  # at enqueue: starts the prefetch from storage
+            async with cache.retrieve(history) as view:
+                await view.wait_all()
+                expected = _kv(config, history[: view.tokens])
+                ok = all(
+                    torch.equal(part, expected[c, layer])
+                    for layer in range(config.model.num_layers)
+                    for c, part in enumerate(view.layer(layer))
+                )
+                by_tier = dict(view.by_tier)
+            ms = (time.perf_counter() - start) * 1e3
+            stored = " ".join(f"{by_tier[name]:>7}" for name in cache.stats().storage)
+            print(f"{client:>6} {len(history):>7} {hit.tokens:>7} {stored} {'yes' if ok else 'NO':>9} {ms:>7.1f}")
+            if not ok:
+                raise SystemExit("KV read back from storage differs from what was stored")
+        _print_stats(cache.stats())
+
+
+def _print_stats(s) -> None:
     print("\nstats:")
     for name, tier in s.tiers.items():
         print(f"  {name:<6} used {tier.used_pages}/{tier.capacity_pages} pages, hits {tier.hit_tokens} tokens, "
@@ -74,6 +109,19 @@ async def run(config_path: Path, turns: int, clients: int, turn_tokens: int) -> 
     print(f"  moved: {moved}")
     print(f"  stores {s.stores} ({s.stored_pages} pages), retrieves {s.retrieves}, backups {s.backups} pages, "
           f"loads {s.loads} pages, spills {s.spills}")
+    for name, tier in s.storage.items():
+        b = tier.backend
+        print(f"  {name:<6} ({tier.kind}) {b.stored_pages} pages, {format_size(b.used_bytes or 0)} on disk; "
+              f"wrote {tier.stored_pages} pages (skipped {tier.skipped_pages} it had), "
+              f"prefetched {tier.fetched_pages}, served {tier.hit_tokens} tokens, failures {tier.failures}")
+
+
+async def _clear_storage(config) -> None:
+    """Start from empty storage tiers, so every run shows the same thing."""
+    cache = HiCache.from_config(config)
+    for tier in cache.controller.storage:
+        async with tier.backend as backend:
+            await backend.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,8 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--turn-tokens", type=int, default=200)
+    parser.add_argument("--keep-storage", action="store_true", help="do not empty the storage tiers first")
     args = parser.parse_args(argv)
-    anyio.run(run, args.config, args.turns, args.clients, args.turn_tokens)
+    anyio.run(run, args.config, args.turns, args.clients, args.turn_tokens, args.keep_storage)
 
 
 if __name__ == "__main__":
