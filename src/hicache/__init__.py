@@ -2,6 +2,7 @@
 
 from .cache import HiCache, Hit, StoreResult
 from .config import HiCacheConfig, load_config
+from .controller.prefetch import Prefetch
 from .errors import (
     CacheClosedError,
     CapacityError,
@@ -15,7 +16,6 @@ from .errors import (
     StorageTimeoutError,
     WorkerFailedError,
 )
-from .controller.prefetch import Prefetch
 from .keys import Namespace
 from .leases import RetrieveView, SlotReservation
 from .stats import CacheStats, StorageTierStats, TierStats
