@@ -29,6 +29,7 @@ import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
@@ -52,6 +53,8 @@ from .storage_writer import StorageWriter
 __all__ = ["CacheController"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _BACKUP_BATCH = 128  # jobs merged into one device -> host copy
 _STORAGE_BATCH = 64  # jobs merged into one host -> storage write per tier
@@ -269,13 +272,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
     async def _backup_worker(self, receive: MemoryObjectReceiveStream[BackupJob]) -> None:
         try:
             async for job in receive:
-                batch = [job]
-                while len(batch) < _BACKUP_BATCH:
-                    try:
-                        batch.append(receive.receive_nowait())
-                    except (anyio.WouldBlock, anyio.EndOfStream):
-                        break
-                await self._run_backups(batch)
+                await self._run_backups(_with_queued(job, receive, _BACKUP_BATCH))
         finally:
             if self._storage_send is not None:
                 self._storage_send.close()  # no more backups: the storage worker may drain and stop
@@ -345,12 +342,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     async def _storage_worker(self, receive: MemoryObjectReceiveStream[StorageJob]) -> None:
         async for job in receive:
-            batch = [job]
-            while len(batch) < _STORAGE_BATCH:
-                try:
-                    batch.append(receive.receive_nowait())
-                except (anyio.WouldBlock, anyio.EndOfStream):
-                    break
+            batch = _with_queued(job, receive, _STORAGE_BATCH)
             results = [False] * len(batch)
             try:
                 results = await self.storage_writer.write(batch)
@@ -489,3 +481,14 @@ class CacheController(anyio.AsyncContextManagerMixin):
                     await self.evictor.evict_device(excess)
             finally:
                 self.jobs.done()
+
+
+def _with_queued(first: T, receive: MemoryObjectReceiveStream[T], limit: int) -> list[T]:
+    """``first`` and whatever else is already queued, up to ``limit`` jobs: one batch."""
+    batch = [first]
+    while len(batch) < limit:
+        try:
+            batch.append(receive.receive_nowait())
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            break
+    return batch

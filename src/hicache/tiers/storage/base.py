@@ -167,15 +167,9 @@ class StorageBackend(ABC):
         """
         self._check_keys(keys)
         self._check_pages(keys, into)
-        done = 0
-        for start in range(0, len(keys), self.max_batch):
-            chunk = keys[start : start + self.max_batch]
-            n = min(max(await self._call("get", self._get, chunk, into[start : start + len(chunk)]), 0), len(chunk))
-            done += n
-            self._pages_read += n
-            self._bytes_read += sum(io.nbytes for io in into[start : start + n])
-            if n < len(chunk):
-                break
+        done = await self._transfer("get", self._get, keys, into)
+        self._pages_read += done
+        self._bytes_read += sum(io.nbytes for io in into[:done])
         return done
 
     async def set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
@@ -185,15 +179,9 @@ class StorageBackend(ABC):
         """
         self._check_keys(keys)
         self._check_pages(keys, pages)
-        done = 0
-        for start in range(0, len(keys), self.max_batch):
-            chunk = keys[start : start + self.max_batch]
-            n = min(max(await self._call("set", self._set, chunk, pages[start : start + len(chunk)]), 0), len(chunk))
-            done += n
-            self._pages_written += n
-            self._bytes_written += sum(io.nbytes for io in pages[start : start + n])
-            if n < len(chunk):
-                break
+        done = await self._transfer("set", self._set, keys, pages)
+        self._pages_written += done
+        self._bytes_written += sum(io.nbytes for io in pages[:done])
         return done
 
     async def delete(self, keys: Sequence[bytes]) -> None:
@@ -280,6 +268,17 @@ class StorageBackend(ABC):
         for io in pages:
             if len(io.header) != HEADER_BYTES:
                 raise InvalidRequestError(f"a page header buffer is {HEADER_BYTES} bytes, got {len(io.header)}")
+
+    async def _transfer(self, verb: str, fn: Any, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        """Call ``fn`` on ``max_batch`` pages at a time until one batch falls short."""
+        done = 0
+        for start in range(0, len(keys), self.max_batch):
+            chunk = keys[start : start + self.max_batch]
+            n = min(max(await self._call(verb, fn, chunk, pages[start : start + len(chunk)]), 0), len(chunk))
+            done += n
+            if n < len(chunk):
+                break
+        return done
 
     async def _call(self, verb: str, fn: Any, *args: Any) -> Any:
         self._calls[verb] += 1
