@@ -256,14 +256,18 @@ class Bench:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pages", type=int, default=128)
-    ap.add_argument("--page-mib", type=float, default=2949120 / 2**20, help="payload MiB per page (default: 64 tokens x 30 layers x 3 KV heads x 64 dims fp32)")
+    ap.add_argument(
+        "--page-mib", type=float, default=2949120 / 2**20,
+        help="payload MiB per page (default: 64 tokens x 30 layers x 3 KV heads x 64 dims fp32)",
+    )
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary folder)")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="hicache-io-", dir=args.dir))
     try:
         b = Bench(root, args.pages, int(args.page_mib * 2**20))
-        print(f"{args.pages} pages of {b.page_bytes / 2**20:.2f} MiB ({b.total / 1e9:.2f} GB) in {root}; best of {args.repeat}")
+        size = f"{b.page_bytes / 2**20:.2f} MiB ({b.total / 1e9:.2f} GB)"
+        print(f"{args.pages} pages of {size} in {root}; best of {args.repeat}")
         rows = [
             ("write", "raw: one file, sequential write + fsync", b.raw_write, None),
             ("write", "page files: write + fsync + rename, each", b.w_fsync_each, "raw_w"),

@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     pressure_start = cpu_pressure()
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+    omp = os.environ["OMP_WAIT_POLICY"]
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, OMP_WAIT_POLICY={omp}")
     print(f"cpu pressure at start: {pressure_start}")
     root = Path(tempfile.mkdtemp(prefix="hicache-storage-", dir=args.dir))
     t0 = time.perf_counter()

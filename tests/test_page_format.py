@@ -59,7 +59,9 @@ def test_foreign_pages_are_rejected(reader: PageCodec, key: bytes, reason: str) 
     assert reader.check(key, header, payload) == reason
 
 
-@pytest.mark.parametrize(("offset", "reason"), [(0, "magic"), (8, "version"), (HEADER_BYTES - 1, None), (-1, "checksum")])
+@pytest.mark.parametrize(
+    ("offset", "reason"), [(0, "magic"), (8, "version"), (HEADER_BYTES - 1, None), (-1, "checksum")]
+)
 def test_damaged_bytes_are_rejected(offset: int, reason: str | None) -> None:
     codec = PageCodec(NS, GEOMETRY)
     header, payload = encoded(codec)

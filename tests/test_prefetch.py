@@ -184,7 +184,8 @@ async def test_dropping_a_request_before_it_runs_cancels_the_lookup_prefetch() -
 
 
 async def test_below_the_threshold_nothing_is_prefetched() -> None:
-    async with HiCache.from_config(slow_config("wait_complete", delay_s=0.0, prefetch_threshold_tokens=10_000)) as cache:
+    config = slow_config("wait_complete", delay_s=0.0, prefetch_threshold_tokens=10_000)
+    async with HiCache.from_config(config) as cache:
         tokens = make_tokens(PAGES * cache.page_size)
         await stored_only_in_storage(cache, tokens)
         hit = await cache.lookup(tokens)

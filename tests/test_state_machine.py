@@ -365,7 +365,9 @@ CONFIGS = [
         },
         id=f"{write}-storage-{prefetch}",
     )
-    for write, prefetch in (("write_through", "wait_complete"), ("write_back", "timeout"), ("write_through", "best_effort"))
+    for write, prefetch in (
+        ("write_through", "wait_complete"), ("write_back", "timeout"), ("write_through", "best_effort")
+    )
 ]
 
 

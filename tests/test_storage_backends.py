@@ -46,7 +46,9 @@ def page(i: int, salt: int = 0) -> PageIO:
 
 
 def empty(n: int) -> list[PageIO]:
-    return [PageIO(memoryview(np.zeros(HEADER_BYTES, np.uint8)), memoryview(np.zeros(PAYLOAD, np.uint8))) for _ in range(n)]
+    return [
+        PageIO(memoryview(np.zeros(HEADER_BYTES, np.uint8)), memoryview(np.zeros(PAYLOAD, np.uint8))) for _ in range(n)
+    ]
 
 
 def same(a: PageIO, b: PageIO) -> bool:

@@ -78,10 +78,17 @@ async def test_write_back_spills_host_evictions_to_storage(tmp_path: Path) -> No
             assert await read_back(cache, tokens, kv) == len(tokens)  # nothing was lost
 
 
-@pytest.mark.parametrize(("writer", "reader"), [("layer_first", "page_first"), ("page_first", "layer_first")])
-async def test_pages_move_between_host_layouts(tmp_path: Path, writer: str, reader: str) -> None:
+@pytest.mark.parametrize(
+    ("writer", "reader", "dtype"),
+    [
+        ("layer_first", "page_first", "float32"),
+        ("page_first", "layer_first", "float32"),
+        ("layer_first", "page_first", "bfloat16"),
+    ],
+)
+async def test_pages_move_between_host_layouts(tmp_path: Path, writer: str, reader: str, dtype: str) -> None:
     tokens = make_tokens(5 * 4)
-    base = file_tier(tmp_path)
+    base = {**file_tier(tmp_path), "model": {"dtype": dtype}}
     config_w = make_config(8, 16, **{**base, "tiers": {**base["tiers"], "host": {"layout": writer}}})
     config_r = make_config(8, 16, **{**base, "tiers": {**base["tiers"], "host": {"layout": reader}}})
     kv = make_kv(config_w, len(tokens))
@@ -112,7 +119,7 @@ async def test_several_storage_tiers_are_probed_in_order(tmp_path: Path) -> None
         assert await read_back(cache, tokens, kv) == len(tokens)
 
 
-def test_yaml_from_the_issue_loads(tmp_path: Path) -> None:
+async def test_yaml_from_the_issue_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "c.yaml"
     path.write_text(
         "tiers:\n"
@@ -125,11 +132,22 @@ def test_yaml_from_the_issue_loads(tmp_path: Path) -> None:
         "  prefetch_threshold_tokens: 256\n"
         "  prefetch_timeout: {base_s: 2.0, per_ki_token_s: 0.1, max_s: 30.0}\n"
     )
-    config = load_config(path, env={})
+    monkeypatch.setenv("HOME", str(tmp_path))  # "~" is this test's folder
+    small = make_config(8, 16)
+    config = load_config(path, overrides={"model": small.model.model_dump(), "page_size": 16}, env={})
     entry = config.tiers.storage[0]
     assert (entry.kind, entry.options) == ("file", {"path": "~/.cache/hicache/pages", "capacity": "20GiB"})
     assert config.policies.prefetch_timeout.max_s == 30.0
-    cache = HiCache.from_config(config)  # built, not opened: no folder is created
-    backend = cache.controller.storage[0].backend
-    assert backend.root == Path("~/.cache/hicache/pages").expanduser()
-    assert backend.settings.capacity == 20 * 1024**3
+    tokens = make_tokens(20 * 16)  # 320 tokens: above the 256-token prefetch threshold
+    kv = make_kv(config, len(tokens))
+    async with HiCache.from_config(config) as cache:
+        backend = cache.controller.storage[0].backend
+        assert backend.root == tmp_path / ".cache" / "hicache" / "pages"
+        assert backend.settings.capacity == 20 * 1024**3
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    assert len(list((tmp_path / ".cache" / "hicache" / "pages").rglob("*.kv"))) == 20
+    async with HiCache.from_config(config) as cache:
+        hit = await cache.lookup(tokens)
+        assert hit.by_tier["file"] == len(tokens) and hit.prefetch is not None
+        assert await read_back(cache, tokens, kv) == len(tokens)

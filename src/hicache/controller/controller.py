@@ -194,7 +194,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
         await self._guard(name, lambda: self._drain(worker, receive))
 
     @staticmethod
-    async def _drain(worker: Callable[[MemoryObjectReceiveStream], Awaitable[None]], receive: MemoryObjectReceiveStream) -> None:
+    async def _drain(
+        worker: Callable[[MemoryObjectReceiveStream], Awaitable[None]], receive: MemoryObjectReceiveStream
+    ) -> None:
         async with receive:
             await worker(receive)
 
@@ -352,7 +354,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     # -- the index ------------------------------------------------------------------------------
 
-    def insert_pages(self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0) -> list[TreeNode]:
+    def insert_pages(
+        self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0
+    ) -> list[TreeNode]:
         """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
 
         Synchronous, so nothing changes under it. Pages that another call cached meanwhile, or

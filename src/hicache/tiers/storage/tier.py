@@ -161,7 +161,9 @@ class StorageTier:
             self.fetched_pages += good
             if reason is not None:
                 self.backend.corrupt_pages += 1
-                log.warning("storage tier %s: page %s failed verification (%s); dropped", self.name, k[good].hex(), reason)
+                log.warning(
+                    "storage tier %s: page %s failed verification (%s); dropped", self.name, k[good].hex(), reason
+                )
                 try:
                     await self.backend.delete([k[good]])
                 except StorageError as exc:
