@@ -70,7 +70,8 @@ async def count_valid_files(root: Path) -> int:
             key = bytes.fromhex(path.stem)
             header = np.zeros(HEADER_BYTES, np.uint8)
             payload = np.zeros(codec.payload_bytes, np.uint8)
-            assert await backend.get([key], [PageIO(memoryview(header), memoryview(payload))]) == 1
-            assert codec.check(key, memoryview(header), memoryview(payload)) is None, path
+            io = PageIO.of(header, payload)
+            assert await backend.get([key], [io]) == 1
+            assert codec.check(key, io.header, io.payload) is None, path
             valid += 1
     return valid

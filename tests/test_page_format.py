@@ -30,7 +30,7 @@ KEY = bytes(range(16, 32))
 def encoded(codec: PageCodec) -> tuple[memoryview, memoryview]:
     payload = memoryview(np.random.default_rng(1).integers(0, 256, codec.payload_bytes, dtype=np.uint8))
     header = memoryview(np.zeros(HEADER_BYTES, dtype=np.uint8))
-    codec.encode(KEY, payload, header)
+    codec.encode(KEY, [payload], header)
     return header, payload
 
 
@@ -38,7 +38,7 @@ def test_codec_round_trip() -> None:
     codec = PageCodec(NS, GEOMETRY)
     header, payload = encoded(codec)
     assert bytes(header[:8]) == b"HICACHE\x00"
-    assert codec.check(KEY, header, payload) is None
+    assert codec.check(KEY, header, [payload]) is None
 
 
 @pytest.mark.parametrize(
@@ -54,9 +54,9 @@ def test_codec_round_trip() -> None:
 def test_foreign_pages_are_rejected(reader: PageCodec, key: bytes, reason: str) -> None:
     header, payload = encoded(PageCodec(NS, GEOMETRY))
     if len(payload) != reader.payload_bytes:
-        assert reader.check(key, header, payload) == "truncated"
+        assert reader.check(key, header, [payload]) == "truncated"
         payload = memoryview(np.zeros(reader.payload_bytes, np.uint8))  # as if the sizes matched
-    assert reader.check(key, header, payload) == reason
+    assert reader.check(key, header, [payload]) == reason
 
 
 @pytest.mark.parametrize(
@@ -68,14 +68,14 @@ def test_damaged_bytes_are_rejected(offset: int, reason: str | None) -> None:
     target = payload if offset < 0 else header
     target[offset] ^= 0xFF
     # The last header byte is padding: outside every field and the checksum.
-    assert codec.check(KEY, header, payload) == reason
+    assert codec.check(KEY, header, [payload]) == reason
 
 
 def test_check_catches_a_checksum_field_flip() -> None:
     codec = PageCodec(NS, GEOMETRY)
     header, payload = encoded(codec)
     header[_CHECKSUM_AT + 3] ^= 1  # inside the checksum field
-    assert codec.check(KEY, header, payload) == "checksum"
+    assert codec.check(KEY, header, [payload]) == "checksum"
 
 
 # -- damaged files through a real cache ----------------------------------------------------------

@@ -38,21 +38,20 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "big") * 4
 
 
-def page(i: int, salt: int = 0) -> PageIO:
+def page(i: int, salt: int = 0, cuts: tuple[int, ...] = ()) -> PageIO:
+    """Page ``i``'s bytes; ``cuts`` splits the payload into pieces at those offsets."""
     rng = np.random.default_rng(i * 7919 + salt)
     header = rng.integers(0, 256, HEADER_BYTES, dtype=np.uint8)
     payload = rng.integers(0, 256, PAYLOAD, dtype=np.uint8)
-    return PageIO(memoryview(header), memoryview(payload))
+    return PageIO.of(header, *np.split(payload, list(cuts)))
 
 
-def empty(n: int) -> list[PageIO]:
-    return [
-        PageIO(memoryview(np.zeros(HEADER_BYTES, np.uint8)), memoryview(np.zeros(PAYLOAD, np.uint8))) for _ in range(n)
-    ]
+def empty(n: int, cuts: tuple[int, ...] = ()) -> list[PageIO]:
+    return [PageIO.of(np.zeros(HEADER_BYTES, np.uint8), *np.split(np.zeros(PAYLOAD, np.uint8), list(cuts))) for _ in range(n)]
 
 
 def same(a: PageIO, b: PageIO) -> bool:
-    return bytes(a.header) == bytes(b.header) and bytes(a.payload) == bytes(b.payload)
+    return b"".join(a.buffers()) == b"".join(b.buffers())
 
 
 @asynccontextmanager
@@ -68,6 +67,15 @@ async def test_set_then_get_is_bit_exact(backend_factory: BackendFactory) -> Non
         out = empty(5)
         assert await b.get(keys, out) == 5
         assert all(same(out[i], page(i)) for i in range(5))
+
+
+async def test_payload_pieces_scatter_and_gather(backend_factory: BackendFactory) -> None:
+    """A payload in pieces (a layer-first host page) is stored whole and read into other pieces."""
+    async with opened(backend_factory) as b:
+        assert await b.set([key(0)], [page(0, cuts=(1000, 1024, 3000))]) == 1
+        out = empty(1, cuts=(4000,))
+        assert await b.get([key(0)], out) == 1
+        assert same(out[0], page(0)) and len(out[0].payload) == 2
 
 
 async def test_exists_counts_consecutive_keys_from_the_start(backend_factory: BackendFactory) -> None:
@@ -156,7 +164,7 @@ async def test_bad_arguments_raise_typed_errors(backend_factory: BackendFactory)
         with pytest.raises(InvalidRequestError, match="2 keys but 1"):
             await b.set([key(0), key(1)], [page(0)])
         with pytest.raises(InvalidRequestError, match="header"):
-            await b.set([key(0)], [PageIO(memoryview(b"x"), page(0).payload)])
+            await b.set([key(0)], [PageIO.of(b"x", *page(0).payload)])
         assert await b.exists([key(0)]) == 0  # nothing was written by the rejected calls
 
 

@@ -58,14 +58,32 @@ _VERBS = ("exists", "get", "set", "delete", "clear")
 
 
 class PageIO(NamedTuple):
-    """One page as two buffers: the header and the payload (for ``get``, both writable)."""
+    """One page as buffers: the header, then the payload in one or more pieces, in order.
+
+    For ``get`` all are writable. A host pool lends its own memory: one piece per page when it is
+    ``page_first``, one per (component, layer) when it is ``layer_first``, so a backend with
+    scatter/gather I/O (``preadv``/``writev``, multi-buffer RDMA) moves each byte exactly once.
+    """
 
     header: memoryview
-    payload: memoryview
+    payload: tuple[memoryview, ...]
+
+    @classmethod
+    def of(cls, header: Any, *payload: Any) -> PageIO:
+        """Build from any buffers (bytes, bytearray, numpy arrays): flat byte views, no copy."""
+        return cls(memoryview(header).cast("B"), tuple(memoryview(p).cast("B") for p in payload))
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(p) for p in self.payload)
 
     @property
     def nbytes(self) -> int:
-        return len(self.header) + len(self.payload)
+        return len(self.header) + self.payload_bytes
+
+    def buffers(self) -> list[memoryview]:
+        """Header then payload pieces: what one ``preadv``/``writev`` takes."""
+        return [self.header, *self.payload]
 
 
 class BackendSettings(BaseModel):
@@ -222,14 +240,14 @@ class StorageBackend(ABC):
 
     @abstractmethod
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
-        """Read each page into ``into[i].header`` then ``into[i].payload``; return the consecutive count.
+        """Read each page into ``into[i].buffers()`` in order; return the consecutive count.
 
         A page that is missing, or whose stored size differs from the buffers, ends the count.
         """
 
     @abstractmethod
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
-        """Store ``header + payload`` of each page atomically; return the consecutive count."""
+        """Store each page's ``buffers()``, joined, atomically; return the consecutive count."""
 
     async def _delete(self, keys: Sequence[bytes]) -> None:  # noqa: B027 - optional hook
         """Remove ``keys``; backends that cannot delete leave bad pages to be overwritten."""

@@ -40,8 +40,10 @@ class MemoryBackend(StorageBackend):
             if blob is None or len(blob) != io.nbytes:
                 return i
             self._pages.move_to_end(key)
-            io.header[:] = blob[: len(io.header)]
-            io.payload[:] = blob[len(io.header) :]
+            pos = 0
+            for buf in io.buffers():
+                buf[:] = blob[pos : pos + len(buf)]
+                pos += len(buf)
         return len(keys)
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
@@ -52,7 +54,7 @@ class MemoryBackend(StorageBackend):
             while self._used + io.nbytes > self.settings.capacity:
                 self._drop(next(iter(self._pages)))
                 self.evicted_pages += 1
-            self._pages[key] = bytes(io.header) + bytes(io.payload)
+            self._pages[key] = b"".join(io.buffers())
             self._used += io.nbytes
         return len(keys)
 

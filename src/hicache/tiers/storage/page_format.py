@@ -16,6 +16,7 @@ A page is used only if every field matches what the reader expects: a truncated,
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -60,22 +61,23 @@ class PageCodec:
         )
 
     @staticmethod
-    def _checksum(fields: bytes | memoryview, payload: memoryview) -> int:
+    def _checksum(fields: bytes | memoryview, payload: Sequence[memoryview]) -> int:
         h = xxhash.xxh3_64()
         h.update(fields)
-        h.update(payload)
+        for piece in payload:
+            h.update(piece)
         return h.intdigest()
 
-    def encode(self, key: bytes, payload: memoryview, header: memoryview) -> None:
-        """Write the header of ``payload`` (the page stored under ``key``) into ``header``."""
+    def encode(self, key: bytes, payload: Sequence[memoryview], header: memoryview) -> None:
+        """Write the header of ``payload`` (the page stored under ``key``, in pieces) into ``header``."""
         fields = self._fields(key)
         header[: len(fields)] = fields
         header[_CHECKSUM_AT : _CHECKSUM_AT + _CHECKSUM.size] = _CHECKSUM.pack(self._checksum(fields, payload))
         header[_CHECKSUM_AT + _CHECKSUM.size : HEADER_BYTES] = bytes(HEADER_BYTES - _CHECKSUM_AT - _CHECKSUM.size)
 
-    def check(self, key: bytes, header: memoryview, payload: memoryview) -> str | None:
+    def check(self, key: bytes, header: memoryview, payload: Sequence[memoryview]) -> str | None:
         """``None`` if ``header + payload`` is the page ``key`` of this namespace, else why not."""
-        if len(header) < HEADER_BYTES or len(payload) != self.payload_bytes:
+        if len(header) < HEADER_BYTES or sum(len(p) for p in payload) != self.payload_bytes:
             return "truncated"
         expected = self._fields(key)
         got = bytes(header[: _FIELDS.size])

@@ -1,15 +1,15 @@
 """A storage tier: one backend bound to this cache's namespace, page format and host pool.
 
 The controller speaks host pages; backends speak keys and bytes. ``StorageTier`` sits between: it
-builds the ``PageIO`` buffers (a page-first host pool lends its pages themselves, so reads land in
-place and writes read in place; a layer-first pool goes through a staging buffer), writes and checks
-headers in a worker thread (one hop per batch), and turns every backend failure into a miss or an
-unrecorded write, counted, so a broken backend can never fail a request.
+lends the host pool's own memory as each page's payload (one piece per page for ``page_first``, one
+per component and layer for ``layer_first``), so reads land in place and writes read in place with
+no staging copy; it writes and checks headers in a worker thread (one hop per batch); and it turns
+every backend failure into a miss or an unrecorded write, counted, so a broken backend can never
+fail a request.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -26,11 +26,6 @@ from .page_format import HEADER_BYTES, PageCodec
 __all__ = ["StorageTier"]
 
 log = logging.getLogger(__name__)
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A flat, writable byte view of a contiguous CPU tensor (no copy)."""
-    return memoryview(t.view(torch.uint8).view(-1).numpy())
 
 
 class StorageTier:
@@ -55,74 +50,54 @@ class StorageTier:
         self.skipped_pages = 0
         self.failures = 0
         self.hit_tokens = 0
-        # Layer-first pools stage pages through reusable buffers (a fresh allocation page-faults
-        # at ~2.7 GB/s here); one for reads and one for writes, each used by one batch at a time.
-        self._staging: dict[str, torch.Tensor] = {}
-        self._staging_locks = {"read": anyio.Lock(), "write": anyio.Lock()}
+        self._pieces: np.ndarray | None = None  # byte view of the host pool, indexed by page
 
     async def __aenter__(self) -> StorageTier:
         await self.backend.open()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        self._pieces = None
         await self.backend.aclose()
 
     # -- buffers --------------------------------------------------------------------------------
 
-    @property
-    def _in_place(self) -> bool:
-        return self.host.layout == "page_first"
+    def _host_pieces(self) -> np.ndarray:
+        """The host pool as bytes: ``[pages, 1, page_bytes]`` or ``[pages, C * L, chunk_bytes]``."""
+        if self._pieces is None:
+            g = self.codec.geometry
+            raw = self.host.buffer.view(torch.uint8).numpy()  # no copy; the pool outlives the tier's use
+            if self.host.layout == "page_first":
+                self._pieces = raw.reshape(self.host.num_pages, 1, -1)
+            else:
+                chunks = raw.reshape(g.components * g.num_layers, self.host.num_pages, -1)
+                self._pieces = chunks.transpose(1, 0, 2)  # a view: page-major order of the pieces
+        return self._pieces
 
-    def _page_ios(self, host_pages: Sequence[int], direction: str) -> tuple[list[PageIO], torch.Tensor | None]:
-        """Header and payload buffers for ``host_pages``; the staging rows when not in place.
-
-        Not in place, the caller holds ``self._staging_locks[direction]`` while the buffers live.
-        """
+    def _page_ios(self, host_pages: Sequence[int]) -> list[PageIO]:
+        """Header buffers, and each host page's own memory as its payload pieces."""
         headers = np.zeros((len(host_pages), HEADER_BYTES), dtype=np.uint8)
-        if self._in_place:
-            buf = self.host.buffer
-            return [PageIO(memoryview(headers[i]), _bytes_of(buf[p])) for i, p in enumerate(host_pages)], None
-        staging = self._staging.get(direction)
-        if staging is None:
-            staging = torch.zeros((self.batch_pages, self.codec.payload_bytes), dtype=torch.uint8)  # pre-faulted
-            self._staging[direction] = staging
-        staging = staging[: len(host_pages)]
-        return [PageIO(memoryview(headers[i]), _bytes_of(staging[i])) for i in range(len(host_pages))], staging
-
-    def _staged_view(self, staging: torch.Tensor) -> torch.Tensor:
-        """The staging rows as page-major ``[n, C, L, E]`` in the KV dtype."""
-        g = self.codec.geometry
-        return staging.view(g.dtype).view(staging.shape[0], g.components, g.num_layers, g.page_elems)
+        pieces = self._host_pieces()
+        return [
+            PageIO(memoryview(headers[i]), tuple(memoryview(piece) for piece in pieces[p]))
+            for i, p in enumerate(host_pages)
+        ]
 
     # -- thread-side work -----------------------------------------------------------------------
 
     def _encode(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[PageIO]:
-        ios, staging = self._page_ios(host_pages, "write")
-        if staging is not None:
-            # One strided copy per page (C x L runs of a page's elements): ~8 GB/s here.
-            pm, dst = self.host.page_major(), self._staged_view(staging)
-            for i, p in enumerate(host_pages):
-                dst[i].copy_(pm[p])
+        ios = self._page_ios(host_pages)
         for key, io in zip(keys, ios, strict=True):
             self.codec.encode(key, io.payload, io.header)
         return ios
 
-    def _verify(
-        self, keys: Sequence[bytes], ios: Sequence[PageIO], staging: torch.Tensor | None, host_pages: Sequence[int]
-    ) -> tuple[int, str | None]:
-        """Check pages in order; place staged ones in the host pool. ``(good, why the next is bad)``."""
-        good, reason = len(keys), None
+    def _verify(self, keys: Sequence[bytes], ios: Sequence[PageIO]) -> tuple[int, str | None]:
+        """Check pages in order: ``(how many are good, why the next one is not)``."""
         for i, (key, io) in enumerate(zip(keys, ios, strict=True)):
             reason = self.codec.check(key, io.header, io.payload)
             if reason is not None:
-                good = i
-                break
-        if staging is not None and good:
-            pm = self.host.page_major()
-            src = self._staged_view(staging)
-            for i in range(good):
-                pm[host_pages[i]].copy_(src[i])
-        return good, reason
+                return i, reason
+        return len(keys), None
 
     # -- operations -----------------------------------------------------------------------------
 
@@ -147,16 +122,13 @@ class StorageTier:
         for start in range(0, len(keys), self.batch_pages):
             k = keys[start : start + self.batch_pages]
             pages = host_pages[start : start + self.batch_pages]
-            async with self._staging_lock("read"):
-                ios, staging = self._page_ios(pages, "read")
-                try:
-                    n = await self.backend.get(k, ios)
-                except StorageError as exc:
-                    self._failed(exc)
-                    return total
-                good, reason = await anyio.to_thread.run_sync(
-                    self._verify, k[:n], ios[:n], staging, pages, limiter=self.limiter
-                )
+            ios = self._page_ios(pages)
+            try:
+                n = await self.backend.get(k, ios)
+            except StorageError as exc:
+                self._failed(exc)
+                return total
+            good, reason = await anyio.to_thread.run_sync(self._verify, k[:n], ios[:n], limiter=self.limiter)
             total += good
             self.fetched_pages += good
             if reason is not None:
@@ -178,23 +150,19 @@ class StorageTier:
         total = 0
         for start in range(0, len(keys), self.batch_pages):
             k = keys[start : start + self.batch_pages]
-            async with self._staging_lock("write"):
-                ios = await anyio.to_thread.run_sync(
-                    self._encode, k, host_pages[start : start + self.batch_pages], limiter=self.limiter
-                )
-                try:
-                    n = await self.backend.set(k, ios)
-                except StorageError as exc:
-                    self._failed(exc)
-                    return total
+            ios = await anyio.to_thread.run_sync(
+                self._encode, k, host_pages[start : start + self.batch_pages], limiter=self.limiter
+            )
+            try:
+                n = await self.backend.set(k, ios)
+            except StorageError as exc:
+                self._failed(exc)
+                return total
             total += n
             self.stored_pages += n
             if n < len(k):
                 break
         return total
-
-    def _staging_lock(self, direction: str) -> anyio.Lock | contextlib.nullcontext[None]:
-        return contextlib.nullcontext() if self._in_place else self._staging_locks[direction]
 
     def _failed(self, exc: StorageError) -> None:
         self.failures += 1
