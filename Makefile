@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: run test bench venv clean
+.PHONY: run test bench bench-storage venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/transfer.py $(ARGS)
+
+bench-storage: $(STAMP)
+	$(BIN)/python benchmarks/storage.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

@@ -30,6 +30,8 @@ from .jobs import JobTracker
 
 __all__ = ["Prefetch", "Prefetcher", "StorageHit"]
 
+_PIPELINE_BATCHES = 4  # batches reserved and fetched per step: the next is read while one is verified
+
 
 @dataclass(frozen=True)
 class StorageHit:
@@ -240,29 +242,46 @@ class Prefetcher:
                     for tier, start, count in op.segments:
                         pos, end = start, start + count
                         while pos < end:
-                            pages = await self.alloc_host(min(tier.batch_pages, end - pos))
-                            if not pages:
-                                return  # the host is full of pinned pages
-                            try:
-                                got = await tier.fetch(op.keys[pos : pos + len(pages)], pages)
-                            except BaseException:
-                                self.free_host(pages)
-                                raise
-                            if not self._publish(op, tier, pos, pages, got) or got < len(pages):
+                            got, go_on = await self._fetch_some(op, tier, pos, end)
+                            if not go_on:
                                 return
                             pos += got
         finally:
             self._finish(op)
 
-    def _publish(self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int], got: int) -> bool:
-        """Insert the ``got`` verified pages as host-only nodes; free the rest. False: stop here."""
-        self.free_host(pages[got:])
+    async def _fetch_some(self, op: Prefetch, tier: StorageTier, pos: int, end: int) -> tuple[int, bool]:
+        """Fetch a few batches from key ``pos`` (pipelined), publishing each as it is verified.
+
+        Host pages are reserved for all of them up front; whatever is not published (a short
+        read, a cancellation) is freed here. Returns ``(pages fetched, whether to go on)``.
+        """
+        pages = await self.alloc_host(min(tier.batch_pages * _PIPELINE_BATCHES, end - pos))
+        if not pages:
+            return 0, False  # the host is full of pinned pages
+        published = 0
+        attached = True
+
+        def on_batch(first: int, good: int) -> bool:
+            nonlocal published, attached
+            attached = self._publish(op, tier, pos + first, pages[first : first + good])
+            published = first + good  # published, or freed by the index as duplicates
+            return attached
+
+        try:
+            got = await tier.fetch(op.keys[pos : pos + len(pages)], pages, on_batch=on_batch)
+        finally:
+            self.free_host(pages[published:])
+        return got, attached and got == len(pages)
+
+    def _publish(self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int]) -> bool:
+        """Insert verified ``pages`` (from key index ``pos``) as host-only nodes. False: stop here."""
+        got = len(pages)
         if not got:
-            return False
+            return True
         pb = self.page_size * TOKEN_BYTES
         end = op.first_page + pos + got
         prefix = op.tokens_bytes[: end * pb]
-        for node in self.insert_host(prefix, op.first_page + pos, pages[:got]):
+        for node in self.insert_host(prefix, op.first_page + pos, pages):
             node.stored = True
             node.source = tier.name
         match = self.tree.match(prefix)

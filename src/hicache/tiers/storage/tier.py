@@ -11,7 +11,7 @@ fail a request.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import numpy as np
@@ -111,38 +111,64 @@ class StorageTier:
             self._failed(exc)
             return 0
 
-    async def fetch(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+    async def fetch(
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[int],
+        on_batch: Callable[[int, int], bool] | None = None,
+    ) -> int:
         """Read pages ``keys`` into ``host_pages`` (allocated, not yet published); verified count.
 
-        Pages past the count hold garbage and must be freed by the caller. A page that fails
-        verification is counted as corrupt and deleted from the backend.
+        Batches are pipelined: the next batch is read while this one is verified. After each
+        batch, ``on_batch(first, good)`` may publish its ``good`` verified pages (indices
+        ``first..first+good`` of ``host_pages``) and return False to stop. Pages past the returned
+        count hold garbage and are the caller's to free. A page that fails verification is counted
+        as corrupt and deleted from the backend.
         """
         assert len(keys) == len(host_pages)
+        starts = range(0, len(keys), self.batch_pages)
         total = 0
-        for start in range(0, len(keys), self.batch_pages):
-            k = keys[start : start + self.batch_pages]
-            pages = host_pages[start : start + self.batch_pages]
-            ios = self._page_ios(pages)
-            try:
-                n = await self.backend.get(k, ios)
-            except StorageError as exc:
-                self._failed(exc)
-                return total
-            good, reason = await anyio.to_thread.run_sync(self._verify, k[:n], ios[:n], limiter=self.limiter)
-            total += good
-            self.fetched_pages += good
-            if reason is not None:
-                self.backend.corrupt_pages += 1
-                log.warning(
-                    "storage tier %s: page %s failed verification (%s); dropped", self.name, k[good].hex(), reason
-                )
-                try:
-                    await self.backend.delete([k[good]])
-                except StorageError as exc:
-                    self._failed(exc)
-            if good < len(k):
-                break
+        send, receive = anyio.create_memory_object_stream[tuple[int, list[PageIO], int]](1)
+
+        async def read_ahead() -> None:
+            async with send:
+                for first in starts:
+                    k = keys[first : first + self.batch_pages]
+                    ios = self._page_ios(host_pages[first : first + self.batch_pages])
+                    try:
+                        n = await self.backend.get(k, ios)
+                    except StorageError as exc:
+                        self._failed(exc)
+                        n = 0
+                    await send.send((first, ios, n))
+                    if n < len(k):
+                        return
+
+        # The reader's threads write into host_pages: the group waits for them before returning,
+        # even when cancelled, so the caller never frees a page that is still being written.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_ahead)
+            async with receive:
+                async for first, ios, n in receive:
+                    k = keys[first : first + len(ios)]
+                    good, reason = await anyio.to_thread.run_sync(self._verify, k[:n], ios[:n], limiter=self.limiter)
+                    total += good
+                    self.fetched_pages += good
+                    if reason is not None:
+                        await self._drop_corrupt(k[good], reason)
+                    go_on = on_batch(first, good) if on_batch is not None else True
+                    if good < len(k) or not go_on:
+                        tg.cancel_scope.cancel()
+                        break
         return total
+
+    async def _drop_corrupt(self, key: bytes, reason: str) -> None:
+        self.backend.corrupt_pages += 1
+        log.warning("storage tier %s: page %s failed verification (%s); dropped", self.name, key.hex(), reason)
+        try:
+            await self.backend.delete([key])
+        except StorageError as exc:
+            self._failed(exc)
 
     async def store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored."""
