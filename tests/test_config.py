@@ -149,6 +149,16 @@ def test_to_yaml_round_trips(tmp_path: Path) -> None:
     assert load_config(write(tmp_path, text), env={}) == cfg
 
 
+def test_storage_tiers_round_trip_through_yaml(tmp_path: Path) -> None:
+    tiers = [
+        {"kind": "file", "path": "/srv/pages", "capacity": "20GiB", "fsync": "never"},
+        {"kind": "memory", "name": "ram"},
+    ]
+    cfg = load_config(None, {"tiers": {"storage": tiers}}, env={})
+    assert [t.tier_name for t in cfg.tiers.storage] == ["file", "ram"]
+    assert load_config(write(tmp_path, cfg.to_yaml()), env={}) == cfg
+
+
 # --------------------------------------------------------------------------- sizes
 
 
