@@ -3,13 +3,14 @@
 ``lookup`` (at enqueue time) or ``retrieve`` asks each storage tier how many of the pages after the
 memory-resident prefix it holds (``exists``; keys are chained, so the answer is a prefix length),
 and when that is at least ``prefetch_threshold_tokens`` starts a ``Prefetch``: a task in the
-controller's task group that, batch by batch, allocates host pages, reads and verifies them
-(``StorageTier.fetch``) and publishes them in the index as host-only nodes. A request that arrives
-for the same pages joins the running prefetch instead of starting another.
+controller's task group that reserves host pages a few batches at a time, reads and verifies them
+(``StorageTier.fetch``, which reads the next batch while verifying one) and publishes each batch in
+the index as host-only nodes as soon as it is verified. A request that arrives for the same pages
+joins the running prefetch instead of starting another.
 
 ``retrieve`` waits as the prefetch policy says (see ``policies/prefetch.py``), then ends the
-prefetch and uses what has been published. Ending (``cancel()``) frees the host pages of the batch
-in flight; pages already published stay in the cache. The prefetch holds a pin on the deepest node
+prefetch and uses what has been published. Ending (``cancel()``) frees the host pages reserved and
+not yet published; pages already published stay in the cache. The prefetch holds a pin on the deepest node
 it has published (or on the node it continues), so its prefix cannot be evicted under it.
 """
 
@@ -55,7 +56,7 @@ class Prefetch:
     """A running prefetch, shared by every request that needs its pages.
 
     ``await wait()`` returns once it has finished (or after ``timeout`` seconds); ``cancel()`` ends
-    it (idempotent): pages already published stay cached, the batch in flight is freed.
+    it (idempotent): pages already published stay cached, pages reserved for the rest are freed.
     """
 
     tokens_bytes: TokenBytes = field(repr=False)
@@ -94,7 +95,7 @@ class Prefetch:
         return self.arrived_tokens
 
     def cancel(self) -> None:
-        """End the prefetch; the batch in flight is freed, published pages stay."""
+        """End the prefetch; pages not yet published are freed, published pages stay."""
         if not self._done.is_set():
             self.cancelled = True
             self._scope.cancel()
