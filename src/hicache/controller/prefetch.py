@@ -10,8 +10,9 @@ joins the running prefetch instead of starting another.
 
 ``retrieve`` waits as the prefetch policy says (see ``policies/prefetch.py``), then ends the
 prefetch and uses what has been published. Ending (``cancel()``) frees the host pages reserved and
-not yet published; pages already published stay in the cache. The prefetch holds a pin on the deepest node
-it has published (or on the node it continues), so its prefix cannot be evicted under it.
+not yet published; pages already published stay in the cache. The prefetch holds a pin on the
+deepest node it has published (or on the node it continues), so its prefix cannot be evicted under
+it.
 """
 
 from __future__ import annotations
