@@ -128,6 +128,13 @@ async def test_capacity_evicts_least_recently_used(backend_factory: BackendFacto
         assert stats.used_bytes is not None and stats.used_bytes <= 3 * PAGE
 
 
+async def test_capacity_is_never_exceeded_by_one_write(backend_factory: BackendFactory) -> None:
+    async with opened(backend_factory, capacity=2 * PAGE + 10) as b:
+        assert await b.set([key(i) for i in range(4)], [page(i) for i in range(4)]) == 2
+        assert await b.exists([key(0), key(1), key(2)]) == 2
+        assert b.stats().used_bytes == 2 * PAGE
+
+
 async def test_batches_larger_than_max_batch(backend_factory: BackendFactory) -> None:
     async with opened(backend_factory) as b:
         n = b.max_batch + 7

@@ -163,6 +163,13 @@ class FileBackend(StorageBackend):
         return done
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        fits, room = 0, self.settings.capacity
+        while fits < len(keys) and pages[fits].nbytes <= room:  # never more than the capacity holds
+            room -= pages[fits].nbytes
+            fits += 1
+        keys, pages = keys[:fits], pages[:fits]
+        if not keys:
+            return 0
         incoming = {k: io.nbytes for k, io in zip(keys, pages, strict=True)}
         need = sum(incoming.values()) - sum(self._index.get(k, 0) for k in incoming)
         victims: list[bytes] = []

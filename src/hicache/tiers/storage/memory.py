@@ -47,13 +47,19 @@ class MemoryBackend(StorageBackend):
         return len(keys)
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        # Pages of this call are never evicted for later ones: a page is useless without the
+        # pages before it (keys are chained), so when the capacity runs out the call stops.
+        batch = set(keys)
         for i, (key, io) in enumerate(zip(keys, pages, strict=True)):
-            if io.nbytes > self.settings.capacity:
-                return i
             self._drop(key)
+            victims = (k for k in self._pages if k not in batch)
             while self._used + io.nbytes > self.settings.capacity:
-                self._drop(next(iter(self._pages)))
+                victim = next(victims, None)
+                if victim is None:
+                    return i
+                self._drop(victim)
                 self.evicted_pages += 1
+                victims = (k for k in self._pages if k not in batch)
             self._pages[key] = b"".join(io.buffers())
             self._used += io.nbytes
         return len(keys)
