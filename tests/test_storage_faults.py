@@ -6,6 +6,7 @@ hang past ``timeout_s``, or record a failed write as stored.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -40,7 +41,8 @@ async def test_backend_errors_are_typed_and_counted() -> None:
         assert backend.stats().timeouts == 1
 
 
-async def test_a_backend_that_always_raises_never_fails_a_request() -> None:
+async def test_a_backend_that_always_raises_never_fails_a_request(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="hicache.tiers.storage.tier")
     async with HiCache.from_config(faulty_config("FailingStorageBackend")) as cache:
         tokens = make_tokens(6 * cache.page_size)
         kv = make_kv(cache.config, len(tokens))
@@ -60,6 +62,8 @@ async def test_a_backend_that_always_raises_never_fails_a_request() -> None:
         assert stats.stored_pages == 0
         assert not any(nd.stored for nd in cache.controller.tree.nodes())  # failed writes are not "stored"
         assert_consistent(cache)
+    # One warning when the tier went down, not one per failed call.
+    assert len([r for r in caplog.records if r.name == "hicache.tiers.storage.tier"]) == 1
 
 
 async def test_a_hanging_backend_is_bounded_by_its_timeout() -> None:

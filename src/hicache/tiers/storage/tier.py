@@ -51,6 +51,7 @@ class StorageTier:
         self.failures = 0
         self.hit_tokens = 0
         self._pieces: np.ndarray | None = None  # byte view of the host pool, indexed by page
+        self._healthy = True
 
     async def __aenter__(self) -> StorageTier:
         await self.backend.open()
@@ -106,10 +107,12 @@ class StorageTier:
         if not keys:
             return 0
         try:
-            return await self.backend.exists(keys)
+            found = await self.backend.exists(keys)
         except StorageError as exc:
             self._failed(exc)
             return 0
+        self._succeeded()
+        return found
 
     async def fetch(
         self,
@@ -137,6 +140,7 @@ class StorageTier:
                     ios = self._page_ios(host_pages[first : first + self.batch_pages])
                     try:
                         n = await self.backend.get(k, ios)
+                        self._succeeded()
                     except StorageError as exc:
                         self._failed(exc)
                         n = 0
@@ -181,6 +185,7 @@ class StorageTier:
             )
             try:
                 n = await self.backend.set(k, ios)
+                self._succeeded()
             except StorageError as exc:
                 self._failed(exc)
                 return total
@@ -191,8 +196,18 @@ class StorageTier:
         return total
 
     def _failed(self, exc: StorageError) -> None:
+        # One warning when the tier starts failing, not one per request while it stays down.
         self.failures += 1
-        log.warning("storage tier %s: %s (treated as a miss)", self.name, exc)
+        if self._healthy:
+            self._healthy = False
+            log.warning("storage tier %s: %s; treated as misses (more failures logged at debug level)", self.name, exc)
+        else:
+            log.debug("storage tier %s: %s", self.name, exc)
+
+    def _succeeded(self) -> None:
+        if not self._healthy:
+            self._healthy = True
+            log.warning("storage tier %s: answering again after %d failed calls", self.name, self.failures)
 
     def stats(self) -> StorageTierStats:
         return StorageTierStats(
