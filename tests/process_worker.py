@@ -58,7 +58,8 @@ async def check(root: str, first: int, count: int) -> dict:
                 ok = view.tokens == len(tokens)
                 for layer in range(kv.shape[1]):
                     k, v = view.layer(layer)
-                    ok = ok and torch.equal(k, kv[0, layer, : view.tokens]) and torch.equal(v, kv[1, layer, : view.tokens])
+                    n = view.tokens
+                    ok = ok and torch.equal(k, kv[0, layer, :n]) and torch.equal(v, kv[1, layer, :n])
                 exact.append(ok)
         s = cache.stats().storage["file"]
         return {"file_hits": hits, "exact": exact, "corrupt": s.backend.corrupt_pages, "fetched": s.fetched_pages}

@@ -47,7 +47,8 @@ def page(i: int, salt: int = 0, cuts: tuple[int, ...] = ()) -> PageIO:
 
 
 def empty(n: int, cuts: tuple[int, ...] = ()) -> list[PageIO]:
-    return [PageIO.of(np.zeros(HEADER_BYTES, np.uint8), *np.split(np.zeros(PAYLOAD, np.uint8), list(cuts))) for _ in range(n)]
+    pieces = list(cuts)
+    return [PageIO.of(np.zeros(HEADER_BYTES, np.uint8), *np.split(np.zeros(PAYLOAD, np.uint8), pieces)) for _ in range(n)]
 
 
 def same(a: PageIO, b: PageIO) -> bool:

@@ -139,21 +139,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
             pages = match.last_pages if i == len(match.path) - 1 else node.num_pages
             by_tier["device" if node.device is not None else "host"] += pages * self._page_size
         ctl.counters.lookups += 1
-        started = None
-        storage_tokens = 0
-        if ctl.storage:
-            anchor = match.path[-1] if match.path else None
-            pin = Pin(anchor) if anchor is not None else None  # the storage probe awaits
-            try:
-                hit = await ctl.prefetcher.probe(tb, match)
-                if hit is not None:
-                    storage_tokens = hit.tokens
-                    by_tier.update(hit.by_tier())
-                    if prefetch and ctl.prefetcher.worth_it(hit):
-                        started = ctl.prefetcher.start(tb, hit, anchor)
-            finally:
-                if pin is not None:
-                    pin.release()
+        stored, started = await ctl.prefetcher.lookup(tb, match, start=prefetch)
+        if stored is not None:
+            by_tier.update(stored.by_tier())
+        storage_tokens = stored.tokens if stored is not None else 0
         return Hit(match.pages * self._page_size + storage_tokens, MappingProxyType(by_tier), started)
 
     # -- store ----------------------------------------------------------------------------------

@@ -150,12 +150,8 @@ class CacheController(anyio.AsyncContextManagerMixin):
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
         evict_send, evict_recv = anyio.create_memory_object_stream[None](1)
         self._backup_send, self._load_send, self._evict_send = backup_send, load_send, evict_send
-        storage_send, storage_recv = anyio.create_memory_object_stream[StorageJob](self.storage_queue)
         if self.storage:
-            self._storage_send = storage_send
-        else:
-            storage_send.close()
-            storage_recv.close()
+            self._storage_send, storage_recv = anyio.create_memory_object_stream[StorageJob](self.storage_queue)
         async with AsyncExitStack() as stack:
             await stack.enter_async_context(self.device)
             await stack.enter_async_context(self.host)

@@ -169,6 +169,26 @@ class Prefetcher:
     def worth_it(self, hit: StorageHit | None) -> bool:
         return hit is not None and hit.tokens >= max(self.threshold_tokens, 1)
 
+    async def lookup(
+        self, tb: TokenBytes, match: MatchResult, *, start: bool
+    ) -> tuple[StorageHit | None, Prefetch | None]:
+        """Probe the tiers after ``match`` and, if ``start`` and worth it, start (or join) a prefetch.
+
+        The last node of ``match`` is pinned while the probe awaits, so the prefetch's anchor stays.
+        """
+        if not self.tiers:
+            return None, None
+        anchor = match.path[-1] if match.path else None
+        pin = Pin(anchor) if anchor is not None else None
+        try:
+            hit = await self.probe(tb, match)
+            if hit is None or not (start and self.worth_it(hit)):
+                return hit, None
+            return hit, self.start(tb, hit, anchor)
+        finally:
+            if pin is not None:
+                pin.release()
+
     # -- starting -------------------------------------------------------------------------------
 
     def start(self, tb: TokenBytes, hit: StorageHit, anchor: TreeNode | None) -> Prefetch:
@@ -214,17 +234,9 @@ class Prefetcher:
         if op is None:
             if self.policy.wait_s(self.threshold_tokens) <= 0:
                 return  # best effort: only what a lookup already started can help
-            anchor = match.path[-1] if match.path else None
-            pin = Pin(anchor) if anchor is not None else None
-            try:
-                hit = await self.probe(tb, match)
-                if not self.worth_it(hit):
-                    return
-                assert hit is not None
-                op = self.start(tb, hit, anchor)
-            finally:
-                if pin is not None:
-                    pin.release()
+            _, op = await self.lookup(tb, match, start=True)
+            if op is None:
+                return
         try:
             wait = self.policy.wait_s(op.tokens)
             await op.wait(None if math.isinf(wait) else op.created + wait - anyio.current_time())

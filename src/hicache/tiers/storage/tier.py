@@ -37,14 +37,12 @@ class StorageTier:
         host: HostPool,
         *,
         batch_pages: int,
-        limiter: anyio.CapacityLimiter | None = None,
     ) -> None:
         self.name = name
         self.backend = backend
         self.codec = codec
         self.host = host
         self.batch_pages = max(1, batch_pages)
-        self.limiter = limiter
         self.fetched_pages = 0
         self.stored_pages = 0
         self.skipped_pages = 0
@@ -155,7 +153,7 @@ class StorageTier:
             async with receive:
                 async for first, ios, n in receive:
                     k = keys[first : first + len(ios)]
-                    good, reason = await anyio.to_thread.run_sync(self._verify, k[:n], ios[:n], limiter=self.limiter)
+                    good, reason = await anyio.to_thread.run_sync(self._verify, k[:n], ios[:n])
                     total += good
                     self.fetched_pages += good
                     if reason is not None:
@@ -181,7 +179,7 @@ class StorageTier:
         for start in range(0, len(keys), self.batch_pages):
             k = keys[start : start + self.batch_pages]
             ios = await anyio.to_thread.run_sync(
-                self._encode, k, host_pages[start : start + self.batch_pages], limiter=self.limiter
+                self._encode, k, host_pages[start : start + self.batch_pages]
             )
             try:
                 n = await self.backend.set(k, ios)
