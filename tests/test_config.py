@@ -458,3 +458,9 @@ def test_top_level_must_be_mapping(tmp_path: Path, text: str) -> None:
 
 def test_overrides_must_be_mapping() -> None:
     assert "overrides" in config_error(None, ["page_size", 3], env={})
+
+
+def test_storage_tiers_need_a_host_tier() -> None:
+    with pytest.raises(ConfigError, match="tiers.host.capacity: storage tiers are written and read through the host"):
+        load_config(overrides={"tiers": {"host": {"capacity": 0}, "storage": [{"kind": "memory"}]}}, env={})
+    assert load_config(overrides={"tiers": {"host": {"capacity": 0}}}, env={}).tiers.host.capacity == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache import HiCache
+from hicache import HiCache, InvalidKVError, InvalidRequestError
 
 from .conftest import make_config, make_kv, make_tokens
 from .helpers import assert_consistent
@@ -161,3 +161,58 @@ async def test_stats_snapshot_is_frozen_and_counts_traffic() -> None:
             stats.stores = 5  # type: ignore[misc]
         with pytest.raises(TypeError):
             stats.bytes_moved["user_to_device"] = 0  # type: ignore[index]
+
+
+async def test_store_from_start_takes_only_the_kv_after_the_cached_prefix() -> None:
+    """An engine that restored a prefix passes only the KV it computed (``start=view.tokens``)."""
+    config = make_config(16, 64)
+    tokens, kv = make_tokens(30), make_kv(config, 30)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens[:12], kv[:, :, :12])
+        result = await cache.store(tokens, kv[:, :, 12:], start=12)
+        assert (result.stored_tokens, result.cached_tokens) == (16, 12)
+        async with cache.retrieve(tokens) as view:
+            _assert_prefix_equal(await _read_all(view), kv, 28)
+        await cache.wait_idle()
+        assert_consistent(cache)
+
+
+async def test_store_from_start_after_a_gap_stores_nothing() -> None:
+    config = make_config(16, 64)
+    tokens, kv = make_tokens(30), make_kv(config, 30)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens[:4], kv[:, :, :4])  # one page; pages 1-2 were never given
+        result = await cache.store(tokens, kv[:, :, 12:], start=12)
+        assert (result.stored_tokens, result.cached_tokens, result.dropped_tokens) == (0, 4, 16)
+        assert (await cache.lookup(tokens)).tokens == 4
+        assert cache.stats().dropped_pages == 4
+
+
+@pytest.mark.parametrize("start", [-4, 3, 32, 2.0, True])
+async def test_store_rejects_a_bad_start(start: object) -> None:
+    config = make_config(16, 64)
+    tokens, kv = make_tokens(30), make_kv(config, 30)
+    async with HiCache.from_config(config) as cache:
+        with pytest.raises(InvalidRequestError, match="start"):
+            await cache.store(tokens, kv, start=start)  # type: ignore[arg-type]
+        with pytest.raises(InvalidKVError, match="after start"):
+            await cache.store(tokens, kv, start=8)  # kv must then hold 22 tokens, not 30
+        assert cache.stats().stored_pages == 0
+
+
+async def test_a_device_only_cache_has_no_host_tier() -> None:
+    config = make_config(16, 0)
+    assert config.tiers.host.capacity == 0
+    async with HiCache.from_config(config) as cache:
+        for seed in range(6):  # 24 pages into 16
+            tokens = make_tokens(16, seed=seed)
+            await cache.store(tokens, make_kv(config, 16, seed=seed))
+        await cache.wait_idle()
+        stats = cache.stats()
+        assert stats.tiers["host"].capacity_pages == 0 and stats.tiers["host"].used_pages == 0
+        device = stats.tiers["device"]
+        assert device.evicted_pages >= 8 and device.used_pages + device.evicted_pages == 24  # dropped, not moved
+        assert stats.backups == 0
+        assert (await cache.lookup(make_tokens(16, seed=5))).tokens == 16
+        assert (await cache.lookup(make_tokens(16, seed=0))).tokens == 0
+        assert_consistent(cache)

@@ -118,7 +118,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
             raise InvalidKVError(f"kv dtype must be {g.dtype} (the configured model dtype), got {kv.dtype}")
         if tuple(kv.shape) != expected:
             if kv.dim() == 5 and kv.shape[2] != num_tokens and (kv.shape[:2], kv.shape[3:]) == (expected[:2], expected[3:]):
-                raise InvalidKVError(f"kv holds {kv.shape[2]} tokens but {num_tokens} token ids were given")
+                raise InvalidKVError(
+                    f"kv holds {kv.shape[2]} tokens but {num_tokens} token ids were given (after start)"
+                )
             raise InvalidKVError(f"kv shape must be {layout} = {list(expected)}, got {list(kv.shape)}")
 
     # -- lookup ---------------------------------------------------------------------------------
@@ -147,23 +149,36 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
     # -- store ----------------------------------------------------------------------------------
 
-    async def store(self, tokens: Any, kv: torch.Tensor, *, priority: int = 0) -> StoreResult:
+    async def store(self, tokens: Any, kv: torch.Tensor, *, start: int = 0, priority: int = 0) -> StoreResult:
         """Cache the full pages of ``tokens`` that are not cached yet.
 
-        ``kv``: ``[2, num_layers, len(tokens), num_kv_heads, head_dim]`` (MLA: ``[1, L, T, 1, D]``).
+        ``kv``: ``[2, num_layers, len(tokens) - start, num_kv_heads, head_dim]`` (MLA: ``[1, L, T, 1, D]``),
+        the KV of ``tokens[start:]``. An engine that retrieved a prefix passes ``start=view.tokens``
+        and only the KV it computed; ``start`` is a multiple of ``page_size``, and pages after a gap
+        (``tokens[:start]`` no longer cached) cannot be attached and are dropped.
         New pages go to the device tier, and to the host tier when the device cannot make room.
         """
         ctl = self.controller
         ctl.check_open()
         tb = as_token_bytes(tokens)
         num_tokens = len(tb) // TOKEN_BYTES
-        self._check_kv(kv, num_tokens)
+        ps = self._page_size
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= num_tokens or start % ps:
+            raise InvalidRequestError(
+                f"start must be a multiple of page_size ({ps}) in [0, {num_tokens}], got {start!r}"
+            )
+        self._check_kv(kv, num_tokens - start)
         ctl.counters.stores += 1
-        full = num_tokens // self._page_size
+        full = num_tokens // ps
         match = ctl.tree.match(tb)
         if match.pages >= full:
             self._touch(match.path)
-            return StoreResult(0, full * self._page_size)
+            return StoreResult(0, full * ps)
+        if match.pages * ps < start:
+            # tokens[match:start] are neither cached nor given: later pages have nothing to attach to.
+            dropped = full - start // ps
+            ctl.counters.dropped_pages += dropped
+            return StoreResult(0, match.pages * ps, dropped * ps)
         first, need = match.pages, full - match.pages
         pin = Pin(match.path[-1]) if match.path else None
         try:
@@ -176,7 +191,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
                 ctl.device.allocator.free(dev)
                 raise
             try:
-                await anyio.to_thread.run_sync(self._write_user_pages, kv, first, dev, host, limiter=ctl.limiter)
+                await anyio.to_thread.run_sync(
+                    self._write_user_pages, kv, first - start // ps, dev, host, limiter=ctl.limiter
+                )
             except BaseException:
                 ctl.device.allocator.free(dev)
                 ctl.host.allocator.free(host)
@@ -192,7 +209,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ctl.counters.bytes_moved["user_to_host"] += len(host) * self._geometry.page_bytes
         ctl.kick_eviction()
         await self._backup_new(nodes)
-        return StoreResult(stored * self._page_size, first * self._page_size, (need - stored) * self._page_size)
+        return StoreResult(stored * ps, first * ps, (need - stored) * ps)
 
     def _write_user_pages(self, kv: torch.Tensor, first: int, dev: list[int], host: list[int]) -> None:
         engine = self.controller.engine

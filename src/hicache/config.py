@@ -57,8 +57,8 @@ _SIZE_HINT = "expected bytes or a string like '512MiB'"
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
-def parse_size(value: object) -> int:
-    """Turn ``4096``, ``"512MiB"``, ``"1.5 GiB"`` or ``"1GB"`` into a whole number of bytes (>= 1).
+def parse_size(value: object, *, minimum: int = 1) -> int:
+    """Turn ``4096``, ``"512MiB"``, ``"1.5 GiB"`` or ``"1GB"`` into a whole number of bytes (>= ``minimum``).
 
     Binary units (KiB..TiB) are powers of 1024, decimal ones (KB..TB) powers of 1000; units are
     case-insensitive. Exact fractions are used so ``"1.5GiB"`` never suffers float rounding.
@@ -76,8 +76,8 @@ def parse_size(value: object) -> int:
         raise ConfigError(f"invalid size {value!r} ({_SIZE_HINT})")
     if amount.denominator != 1:
         raise ConfigError(f"invalid size {value!r} (not a whole number of bytes)")
-    if amount < 1:
-        raise ConfigError(f"invalid size {value!r} (must be at least 1 byte)")
+    if amount < minimum:
+        raise ConfigError(f"invalid size {value!r} (must be at least {minimum} byte{'s' if minimum != 1 else ''})")
     return int(amount)
 
 
@@ -118,6 +118,10 @@ def _field_error(field: str, message: str) -> PydanticCustomError:
 
 #: A byte count: an int, or a string such as ``"256MiB"``; dumped to JSON/YAML as such a string.
 ByteSize = Annotated[int, BeforeValidator(parse_size), PlainSerializer(format_size, when_used="json")]
+# 0 turns the host tier off: the device tier alone, as a RadixAttention engine without offloading.
+_HostSize = Annotated[
+    int, BeforeValidator(lambda v: parse_size(v, minimum=0)), PlainSerializer(format_size, when_used="json")
+]
 _Device = Annotated[str, AfterValidator(_check_device)]
 _PinMemory = Annotated[Literal["auto"] | bool, BeforeValidator(_parse_pin_memory)]
 _FROZEN = ConfigDict(extra="forbid", frozen=True)
@@ -177,7 +181,7 @@ class HostTierConfig(BaseModel):
 
     model_config = _FROZEN
 
-    capacity: ByteSize = 2 * 1024**3
+    capacity: _HostSize = 2 * 1024**3  # 0: no host tier
     layout: Literal["page_first", "layer_first"] = "page_first"
     pin_memory: _PinMemory = "auto"
 
@@ -317,6 +321,16 @@ class HiCacheConfig(BaseModel):
         """Bytes one page of KV occupies in a tier (all layers, K and V where present)."""
         m = self.model
         return m.kv_components * m.num_layers * self.page_size * m.num_kv_heads * m.head_dim * m.itemsize
+
+    @model_validator(mode="after")
+    def _storage_needs_host(self) -> HiCacheConfig:
+        if self.tiers.storage and self.tiers.host.capacity < self.page_bytes:
+            raise _field_error(
+                "tiers.host.capacity",
+                f"storage tiers are written and read through the host tier: give it at least one page "
+                f"({format_size(self.page_bytes)}), got {format_size(self.tiers.host.capacity)}",
+            )
+        return self
 
     def to_yaml(self) -> str:
         """Dump as YAML that ``load_config`` reads back to an equal config."""
