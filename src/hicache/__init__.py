@@ -7,13 +7,18 @@ from .errors import (
     CacheClosedError,
     CapacityError,
     ConfigError,
+    EngineClosedError,
+    EngineError,
+    EngineOverloadedError,
     HiCacheError,
     InvalidKVError,
     InvalidRequestError,
     InvalidTokensError,
+    RequestCancelledError,
     StorageBackendError,
     StorageError,
     StorageTimeoutError,
+    UnsupportedModelError,
     WorkerFailedError,
 )
 from .keys import Namespace
@@ -51,4 +56,9 @@ __all__ = [
     "StorageError",
     "StorageBackendError",
     "StorageTimeoutError",
+    "UnsupportedModelError",
+    "EngineError",
+    "EngineClosedError",
+    "EngineOverloadedError",
+    "RequestCancelledError",
 ]

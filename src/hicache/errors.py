@@ -10,9 +10,14 @@ The tree::
     ├── CapacityError            a tier cannot make room (everything is leased)
     ├── CacheClosedError         the cache is not open (never entered, or already closed)
     ├── WorkerFailedError        a background worker failed; the cache is unusable
-    └── StorageError             a storage backend operation failed (the cache counts it as a miss)
-        ├── StorageBackendError  the backend raised; the original error is the ``__cause__``
-        └── StorageTimeoutError  the backend did not answer within its ``timeout_s``
+    ├── StorageError             a storage backend operation failed (the cache counts it as a miss)
+    │   ├── StorageBackendError  the backend raised; the original error is the ``__cause__``
+    │   └── StorageTimeoutError  the backend did not answer within its ``timeout_s``
+    ├── UnsupportedModelError    an integration cannot cache this model's KV (or it does not match the config)
+    └── EngineError              the reference engine refused or dropped a request
+        ├── EngineClosedError    the engine is shutting down or closed
+        ├── EngineOverloadedError  the waiting queue is full
+        └── RequestCancelledError  the request was cancelled (by its caller or the shutdown)
 
 Callers that can degrade (recompute instead of reusing KV) catch ``HiCacheError``; programming
 errors (``TypeError`` from misuse of an internal API, ``AssertionError``) are not wrapped.
@@ -32,6 +37,11 @@ __all__ = [
     "StorageError",
     "StorageBackendError",
     "StorageTimeoutError",
+    "UnsupportedModelError",
+    "EngineError",
+    "EngineClosedError",
+    "EngineOverloadedError",
+    "RequestCancelledError",
 ]
 
 
@@ -90,3 +100,26 @@ class StorageBackendError(StorageError):
 
 class StorageTimeoutError(StorageError):
     """The backend did not finish ``operation`` within its configured ``timeout_s``."""
+
+
+class UnsupportedModelError(HiCacheError, ValueError):
+    """Raised when an integration cannot cache a model's KV, or the model does not match the config.
+
+    The message says what differs (layers, KV heads, head dim, dtype, attention type).
+    """
+
+
+class EngineError(HiCacheError):
+    """Base class of what the reference engine (``hicache.engine``) refuses."""
+
+
+class EngineClosedError(EngineError, RuntimeError):
+    """Raised when a request is submitted to an engine that is not running (or shutting down)."""
+
+
+class EngineOverloadedError(EngineError):
+    """Raised when the engine's waiting queue is full: back off and retry, or raise ``max_waiting``."""
+
+
+class RequestCancelledError(EngineError):
+    """Raised by ``RequestHandle.result()`` when the request was cancelled before it finished."""
