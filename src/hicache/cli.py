@@ -1,4 +1,4 @@
-"""The ``hicache`` command: ``hicache demo`` and ``hicache config [PATH]``."""
+"""The ``hicache`` command: ``hicache bench ...``, ``hicache demo`` and ``hicache config [PATH]``."""
 
 from __future__ import annotations
 
@@ -11,10 +11,15 @@ from .errors import ConfigError
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hicache", description="A hierarchical KV cache for LLM engines.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run the API tour (what `make run` runs); `hicache demo --help` for options")
+    sub.add_parser("bench", help="benchmarks with a real model: `hicache bench multiturn|long-context --help`")
+    sub.add_parser("demo", help="a tour of the cache API on synthetic KV; `hicache demo --help` for options")
     show = sub.add_parser("config", help="validate a config file and print it with every default filled in")
     show.add_argument("path", nargs="?", default=None)
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from .bench.cli import main as bench_main
+
+        return bench_main(argv[1:])
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 

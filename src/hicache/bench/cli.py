@@ -1,0 +1,200 @@
+"""``hicache bench multiturn|long-context``: run the configurations on one trace, compare them.
+
+Each configuration runs in its own process (``hicache.bench.worker``), in the order given; the
+parent prints the table, writes ``results.json`` and ``plot.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .models import MODELS
+from .report import check_targets, format_rounds, format_table, outputs_of, plot, summarise
+from .scenarios import CONFIGURATIONS, Sizing
+from .worker import RunSpec
+from .workloads import LongContext, MultiTurn
+
+__all__ = ["main", "run_benchmark"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="model preset (default: smollm2)")
+    g.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated, in run order")
+    g.add_argument("--config", default=None, help="base hicache YAML (default: the packaged config/bench.yaml)")
+    g.add_argument("--out", default=None, help="folder for results.json, plot.png and the file tier")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
+    g.add_argument("--max-parallel", type=int, default=2, help="requests in flight from the clients")
+    g.add_argument("--max-running", type=int, default=4, help="requests the engine runs at once (token-interleaved)")
+    g.add_argument("--ready-queue-policy", choices=["fifo", "random"], default="random")
+    g.add_argument("--round-barrier", action="store_true", help="start round k+1 when every client ended round k")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device-fraction", type=float, default=0.25, help="device tier / workload KV")
+    g.add_argument("--host-fraction", type=float, default=0.5, help="host tier / workload KV")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache bench", description=__doc__)
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    mt = sub.add_parser("multiturn", help="clients in multi-turn chats (SGLang bench_multiturn's shape)")
+    g = mt.add_argument_group("workload")
+    g.add_argument("--num-clients", type=int, default=MultiTurn.clients)
+    g.add_argument("--num-rounds", type=int, default=MultiTurn.rounds)
+    g.add_argument("--request-length", type=int, default=MultiTurn.request_len, help="new tokens per turn")
+    g.add_argument("--output-length", type=int, default=MultiTurn.output_len)
+    _common(mt)
+    lc = sub.add_parser("long-context", help="many questions on a few long shared documents")
+    g = lc.add_argument_group("workload")
+    g.add_argument("--num-documents", type=int, default=LongContext.documents)
+    g.add_argument("--document-length", type=int, default=LongContext.document_len)
+    g.add_argument("--questions-per-document", type=int, default=LongContext.questions)
+    g.add_argument("--question-length", type=int, default=LongContext.question_len)
+    g.add_argument("--output-length", type=int, default=LongContext.output_len)
+    _common(lc)
+    return parser
+
+
+def _workload(args: argparse.Namespace) -> dict[str, Any]:
+    if args.benchmark == "multiturn":
+        return dict(clients=args.num_clients, rounds=args.num_rounds, request_len=args.request_length,
+                    output_len=args.output_length, seed=args.seed)
+    return dict(documents=args.num_documents, document_len=args.document_length,
+                questions=args.questions_per_document, question_len=args.question_length,
+                output_len=args.output_length, seed=args.seed)
+
+
+def default_config_path() -> str:
+    """``config/bench.yaml`` of a source checkout, else the copy shipped in the package."""
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[3] / "config" / "bench.yaml", here.parent / "bench.yaml"):
+        if candidate.exists():
+            return str(candidate)
+    raise FileNotFoundError("config/bench.yaml not found: pass --config")
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGURATIONS]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGURATIONS)}")
+    if "warm-restart" in configs and ("hierarchical" not in configs or configs.index("hierarchical") > configs.index("warm-restart")):
+        raise SystemExit("warm-restart reuses the file tier that hierarchical leaves: run hierarchical before it")
+    out = Path(args.out or f"bench-results/{args.benchmark}-{args.model}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    base = RunSpec(
+        benchmark=args.benchmark,
+        workload=_workload(args),
+        configuration="",
+        out_dir=str(out),
+        model=args.model,
+        seed=args.seed,
+        driver=dict(request_rate=args.request_rate, max_parallel=args.max_parallel,
+                    ready_queue=args.ready_queue_policy, round_barrier=args.round_barrier, seed=args.seed),
+        sizing=dict(device_fraction=args.device_fraction, host_fraction=args.host_fraction),
+        config_path=args.config or default_config_path(),
+        max_running=args.max_running,
+        progress=not args.quiet,
+    )
+    workload = base.make_workload()
+    print(f"hicache bench {args.benchmark}: model {args.model} ({MODELS[args.model].description})", file=sys.stderr)
+    print(f"  workload {workload}; {workload.requests} requests, {workload.kv_tokens():,} tokens of KV", file=sys.stderr)
+    results: dict[str, dict[str, Any]] = {}
+    for name in configs:
+        spec = RunSpec(**{**asdict(base), "configuration": name})
+        results[name] = _run_worker(spec)
+    summaries = {name: summarise(r["records"], r["wall_s"]) for name, r in results.items()}
+    reference = outputs_of(results[configs[0]]["records"])
+    for name, r in results.items():
+        mine = outputs_of(r["records"])
+        summaries[name]["outputs_differ_from_" + configs[0]] = sum(1 for k, v in mine.items() if reference.get(k) != v)
+    tiers = sorted({t for s in summaries.values() for t in s["hit_rate_by_tier"]}, key=_tier_order)
+    report = {
+        "benchmark": args.benchmark,
+        "model": {"preset": args.model, "description": MODELS[args.model].description},
+        "workload": base.workload,
+        "driver": base.driver,
+        "max_running": base.max_running,
+        "sizing": asdict(Sizing(**base.sizing)),
+        "kv_tokens": workload.kv_tokens(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "summary": summaries,
+        "targets": check_targets(summaries),
+        "configurations": results,
+    }
+    (out / "results.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
+    print(format_table(summaries, tiers))
+    print()
+    print("hit rate per round:")
+    print(format_rounds(summaries))
+    for name, s in summaries.items():
+        differ = s["outputs_differ_from_" + configs[0]]
+        if differ:
+            print(f"note: {differ} of {s['requests']} outputs of {name} differ from {configs[0]}'s")
+    if report["targets"]:
+        print()
+        for key, t in report["targets"].items():
+            print(f"  {key}: {t['value']:.2f} (target {t['target']}): {'met' if t['met'] else 'MISSED'}")
+    if not args.no_plot:
+        title = f"hicache bench {args.benchmark}: {args.model}, {workload.requests} requests"
+        plot(summaries, {n: r["records"] for n, r in results.items()}, str(out / "plot.png"), title)
+        print(f"\nwrote {out / 'results.json'} and {out / 'plot.png'}")
+    else:
+        print(f"\nwrote {out / 'results.json'}")
+    return report
+
+
+def _tier_order(name: str) -> tuple[int, str]:
+    return ({"device": 0, "host": 1}.get(name, 2), name)
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: they become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _run_worker(spec: RunSpec) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    try:
+        env = dict(os.environ)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        proc = subprocess.run(
+            [sys.executable, "-m", "hicache.bench.worker", out_path],
+            input=json.dumps(asdict(spec)),
+            text=True,
+            env=env,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"configuration {spec.configuration} failed (exit status {proc.returncode})")
+        return json.loads(Path(out_path).read_text())
+    finally:
+        os.unlink(out_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    run_benchmark(args)
+    return 0
+

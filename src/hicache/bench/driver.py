@@ -1,0 +1,157 @@
+"""Drives conversations through an engine: arrivals, a ready queue, a concurrency cap.
+
+Like SGLang's ``bench_multiturn.py``: conversations whose next turn can be sent wait in a ready
+queue; the dispatcher sends one after each inter-arrival gap (Poisson at ``request_rate``, none
+when infinite) once fewer than ``max_parallel`` requests are in flight, taking the oldest
+(``fifo``) or a random one (``random``). When a reply arrives, the conversation's next turn is
+ready (with ``round_barrier``, only once every conversation has finished that round).
+
+Each request also gets its *ideal* cached length: the longest prefix it shares with a prompt or
+answer seen before it was sent, i.e. what a cache with unlimited capacity could have served.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal
+
+import anyio
+import numpy as np
+
+from ..engine import Engine, Request, RequestResult
+from .workloads import Conversation
+
+__all__ = ["DriverSettings", "Record", "drive"]
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    request_rate: float = math.inf  # requests per second (Poisson); inf sends as soon as a slot is free
+    max_parallel: int = 4
+    ready_queue: Literal["fifo", "random"] = "fifo"
+    round_barrier: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Record:
+    """One request as the benchmark reports it (times in seconds)."""
+
+    conversation: int
+    round: int
+    prompt_tokens: int
+    cached_tokens: int
+    ideal_tokens: int
+    by_tier: dict[str, int]
+    ttft_s: float
+    queue_s: float
+    prefill_s: float
+    itl_s: list[float]
+    arrival_s: float
+    finished_s: float
+    output: list[int]
+
+    @classmethod
+    def of(cls, result: RequestResult, ideal: int) -> Record:
+        tags = result.request.tags
+        return cls(
+            conversation=tags["conversation"],
+            round=tags["round"],
+            prompt_tokens=result.prompt_tokens,
+            cached_tokens=result.cached_tokens,
+            ideal_tokens=ideal,
+            by_tier=dict(result.by_tier),
+            ttft_s=result.ttft_s,
+            queue_s=result.queue_s,
+            prefill_s=result.prefill_s,
+            itl_s=list(result.itl_s),
+            arrival_s=result.arrival_s,
+            finished_s=result.finished_s,
+            output=list(result.output),
+        )
+
+
+class _Seen:
+    """Token sequences seen so far, to measure how much of a prompt was seen before."""
+
+    def __init__(self) -> None:
+        self._seqs: list[np.ndarray] = []
+
+    def longest_prefix(self, tokens: list[int]) -> int:
+        a = np.asarray(tokens, dtype=np.int64)
+        best = 0
+        for b in self._seqs:
+            m = min(len(a), len(b))
+            if m <= best:
+                continue
+            diff = np.flatnonzero(a[:m] != b[:m])
+            best = max(best, int(diff[0]) if diff.size else m)
+        return best
+
+    def add(self, tokens: list[int]) -> None:
+        self._seqs.append(np.asarray(tokens, dtype=np.int64))
+
+
+async def drive(
+    engine: Engine,
+    conversations: list[Conversation],
+    settings: DriverSettings,
+    on_done: Callable[[Record], Any] | None = None,
+) -> list[Record]:
+    """Run every turn of ``conversations`` through ``engine``; one ``Record`` per request."""
+    rng = random.Random(settings.seed)
+    ready: list[Conversation] = [c for c in conversations if not c.done]
+    waiting_round: list[Conversation] = []  # finished this round; released by the barrier
+    in_round = Counter(r for c in conversations for r in c.rounds)  # requests left per round
+    slots = anyio.Semaphore(settings.max_parallel)
+    changed = anyio.Event()
+    seen = _Seen()
+    records: list[Record] = []
+    remaining = sum(len(c.chunks) for c in conversations)
+
+    async def send(conv: Conversation, prompt: list[int], ideal: int) -> None:
+        nonlocal changed, remaining
+        round_ = conv.rounds[conv.turn]
+        try:
+            tags = MappingProxyType({"conversation": conv.id, "round": round_})
+            result = await engine.generate(Request(prompt, conv.output_len, tags=tags))
+        finally:
+            slots.release()
+        output = list(result.output)
+        seen.add(prompt + output)
+        record = Record.of(result, ideal)
+        records.append(record)
+        if on_done is not None:
+            on_done(record)
+        conv.advance(prompt, output)
+        remaining -= 1
+        in_round[round_] -= 1
+        if not conv.done:
+            (waiting_round if settings.round_barrier else ready).append(conv)
+        if settings.round_barrier and in_round[round_] == 0:
+            ready.extend(waiting_round)
+            waiting_round.clear()
+        changed.set()
+        changed = anyio.Event()
+
+    async with anyio.create_task_group() as tg:
+        sent = 0
+        total = remaining
+        while sent < total:
+            while not ready:
+                await changed.wait()
+            if math.isfinite(settings.request_rate):
+                await anyio.sleep(rng.expovariate(settings.request_rate))
+            await slots.acquire()
+            conv = ready.pop(rng.randrange(len(ready)) if settings.ready_queue == "random" else 0)
+            prompt = conv.next_prompt()
+            ideal = seen.longest_prefix(prompt)
+            seen.add(prompt)
+            sent += 1
+            tg.start_soon(send, conv, prompt, ideal)
+    return records

@@ -1,0 +1,198 @@
+"""Figures from a benchmark's records: a summary per configuration, the table, the plot.
+
+Hit rates are shares of prompt tokens. ``ideal`` is the share seen before (in an earlier prompt
+or answer), what a cache of unlimited capacity could serve; ``hit_vs_ideal`` is their ratio.
+Throughputs are tokens per second of the whole run (first arrival to last token).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+__all__ = ["summarise", "format_table", "plot", "percentile", "check_targets"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100), linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _dist(values: list[float]) -> dict[str, float]:
+    mean = sum(values) / len(values) if values else math.nan
+    return {"mean": mean, "p50": percentile(values, 50), "p90": percentile(values, 90), "p99": percentile(values, 99)}
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole else math.nan
+
+
+def summarise(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    """The figures of one configuration's run."""
+    prompt = sum(r["prompt_tokens"] for r in records)
+    cached = sum(r["cached_tokens"] for r in records)
+    ideal = sum(r["ideal_tokens"] for r in records)
+    output = sum(len(r["output"]) for r in records)
+    start = min((r["arrival_s"] for r in records), default=0.0)
+    end = max((r["finished_s"] for r in records), default=0.0)
+    duration = max(end - start, 1e-9)
+    by_tier: dict[str, int] = defaultdict(int)
+    for r in records:
+        for tier, n in r["by_tier"].items():
+            by_tier[tier] += n
+    rounds: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        rounds[r["round"]].append(r)
+    per_round = []
+    for k in sorted(rounds):
+        rs = rounds[k]
+        p = sum(r["prompt_tokens"] for r in rs)
+        per_round.append(
+            {
+                "round": k,
+                "requests": len(rs),
+                "hit_rate": _share(sum(r["cached_tokens"] for r in rs), p),
+                "ideal_hit_rate": _share(sum(r["ideal_tokens"] for r in rs), p),
+                "ttft_mean_s": sum(r["ttft_s"] for r in rs) / len(rs),
+            }
+        )
+    hit_rate = _share(cached, prompt)
+    ideal_rate = _share(ideal, prompt)
+    return {
+        "requests": len(records),
+        "duration_s": duration,
+        "wall_s": wall_s,
+        "ttft_s": _dist([r["ttft_s"] for r in records]),
+        "prefill_s": _dist([r["prefill_s"] for r in records]),
+        "queue_s": _dist([r["queue_s"] for r in records]),
+        "itl_s": _dist([x for r in records for x in r["itl_s"]]),
+        "input_tokens": prompt,
+        "output_tokens": output,
+        "input_tok_s": prompt / duration,
+        "output_tok_s": output / duration,
+        "cached_tokens": cached,
+        "hit_rate": hit_rate,
+        "ideal_hit_rate": ideal_rate,
+        "hit_vs_ideal": _share(hit_rate, ideal_rate),
+        "hit_rate_by_tier": {tier: _share(n, prompt) for tier, n in sorted(by_tier.items())},
+        "per_round": per_round,
+    }
+
+
+def outputs_of(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[int]]:
+    return {(r["conversation"], r["round"]): r["output"] for r in records}
+
+
+def check_targets(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets, as measured: each is ``{value, target, met}`` (absent if a config did not run)."""
+    out: dict[str, Any] = {}
+
+    def ttft(name: str) -> float | None:
+        s = summaries.get(name)
+        return None if s is None else s["ttft_s"]["mean"]
+
+    hier, none, dev, warm = ttft("hierarchical"), ttft("no-cache"), ttft("device-only"), ttft("warm-restart")
+    if hier is not None:
+        v = summaries["hierarchical"]["hit_vs_ideal"]
+        out["hierarchical_hit_vs_ideal"] = {"value": v, "target": ">= 0.9", "met": v >= 0.9}
+        if none is not None:
+            out["ttft_no_cache_over_hierarchical"] = {"value": none / hier, "target": ">= 3", "met": none / hier >= 3}
+        if dev is not None:
+            out["ttft_device_only_over_hierarchical"] = {"value": dev / hier, "target": ">= 2", "met": dev / hier >= 2}
+        if warm is not None:
+            out["ttft_warm_restart_over_hierarchical"] = {
+                "value": warm / hier,
+                "target": "<= 1.5",
+                "met": warm / hier <= 1.5,
+            }
+    return out
+
+
+def _ms(x: float) -> str:
+    return "-" if x != x else f"{x * 1000:,.0f}"
+
+
+def _pct(x: float) -> str:
+    return "-" if x != x else f"{x * 100:.0f}%"
+
+
+def format_table(summaries: dict[str, dict[str, Any]], tiers: list[str]) -> str:
+    """The comparison as a fixed-width text table (times in ms)."""
+    base = summaries.get("no-cache", {}).get("ttft_s", {}).get("mean")
+    head = ["config", "TTFT mean", "p50", "p90", "p99", "vs no-cache", "ITL mean", "p99", "in tok/s", "out tok/s",
+            "hit rate", "ideal", "hit/ideal", *[f"from {t}" for t in tiers]]
+    rows = [head]
+    for name, s in summaries.items():
+        t = s["ttft_s"]
+        speedup = f"{base / t['mean']:.1f}x" if base and t["mean"] else "-"
+        rows.append([
+            name, _ms(t["mean"]), _ms(t["p50"]), _ms(t["p90"]), _ms(t["p99"]), speedup,
+            _ms(s["itl_s"]["mean"]), _ms(s["itl_s"]["p99"]),
+            f"{s['input_tok_s']:,.0f}", f"{s['output_tok_s']:,.1f}",
+            _pct(s["hit_rate"]), _pct(s["ideal_hit_rate"]),
+            "-" if s["hit_vs_ideal"] != s["hit_vs_ideal"] else f"{s['hit_vs_ideal']:.2f}",
+            *[_pct(s["hit_rate_by_tier"].get(tier, 0.0)) if name != "no-cache" else "-" for tier in tiers],
+        ])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_rounds(summaries: dict[str, dict[str, Any]]) -> str:
+    """Hit rate per round, one column per configuration (and the ideal)."""
+    names = [n for n in summaries if n != "no-cache"]
+    any_summary = next(iter(summaries.values()))
+    rows = [["round", "ideal", *names]]
+    for i, rr in enumerate(any_summary["per_round"]):
+        rows.append([str(rr["round"]), _pct(rr["ideal_hit_rate"]), *[_pct(summaries[n]["per_round"][i]["hit_rate"]) for n in names]])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def plot(summaries: dict[str, dict[str, Any]], records: dict[str, list[dict[str, Any]]], path: str, title: str) -> None:
+    """A PNG: TTFT distribution per configuration (left), hit rate per round (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {name: palette[i % len(palette)] for i, name in enumerate(summaries)}
+    for name, recs in records.items():
+        xs = sorted(r["ttft_s"] * 1000 for r in recs)
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        mean = summaries[name]["ttft_s"]["mean"] * 1000
+        left.step(xs, ys, where="post", color=color[name], label=f"{name} (mean {mean:,.0f} ms)")
+    left.set_xscale("log")
+    left.set_xlabel("time to first token (ms, log scale)")
+    left.set_ylabel("share of requests")
+    left.set_title("TTFT distribution")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=8)
+    ideal_drawn = False
+    for name, s in summaries.items():
+        rounds = [r["round"] for r in s["per_round"]]
+        if not ideal_drawn:
+            right.plot(rounds, [r["ideal_hit_rate"] * 100 for r in s["per_round"]], "k--", label="ideal (seen before)")
+            ideal_drawn = True
+        if name != "no-cache":
+            hits = [r["hit_rate"] * 100 for r in s["per_round"]]
+            right.plot(rounds, hits, marker="o", color=color[name], label=name)
+    right.set_xlabel("round")
+    right.set_ylabel("cache hit rate (% of prompt tokens)")
+    right.set_ylim(0, 105)
+    right.set_title("Hit rate per round")
+    right.grid(True, alpha=0.3)
+    right.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,70 @@
+"""The configurations every benchmark compares, on the same trace.
+
+* ``no-cache``: every prompt is prefilled in full.
+* ``device-only``: the device tier alone (no host, no storage): the RadixAttention baseline.
+* ``hierarchical``: device + host + file tier.
+* ``warm-restart``: ``hierarchical``'s config in a fresh process that finds only the file tier
+  the ``hierarchical`` run left.
+
+The device holds ``device_fraction`` (25%) of the workload's KV, as in production, where the
+history outgrows GPU memory; the host ``host_fraction`` (50%); the file tier all of it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import HiCacheConfig, load_config
+from ..integrations.transformers import ModelSpec, model_overrides
+
+__all__ = ["CONFIGURATIONS", "Sizing", "cache_config", "device_tokens"]
+
+CONFIGURATIONS = ("no-cache", "device-only", "hierarchical", "warm-restart")
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Sizing:
+    device_fraction: float = 0.25
+    host_fraction: float = 0.5
+    storage_fraction: float = 4.0  # the file tier's capacity: room for everything, several times over
+
+
+def device_tokens(kv_tokens: int, sizing: Sizing, page_size: int) -> int:
+    """Tokens of KV the device tier holds: also the engine's KV budget, in every configuration."""
+    return max(1, math.ceil(kv_tokens * sizing.device_fraction / page_size)) * page_size
+
+
+def kv_bytes_per_token(spec: ModelSpec) -> int:
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _ITEMSIZE[spec.dtype]
+
+
+def cache_config(
+    name: str, model: Any, kv_tokens: int, sizing: Sizing, base: str | None, pages_dir: str
+) -> HiCacheConfig | None:
+    """The cache config of configuration ``name`` for a workload computing ``kv_tokens`` of KV."""
+    if name not in CONFIGURATIONS:
+        raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGURATIONS)}")
+    if name == "no-cache":
+        return None
+    env = {"HICACHE_BENCH_PAGES": pages_dir}
+    probe = load_config(base, overrides=model_overrides(model, fingerprint=False), env=env)
+    page_bytes = probe.page_bytes
+    total = kv_tokens * kv_bytes_per_token(ModelSpec.of(model))
+
+    def pages(fraction: float) -> int:
+        return max(1, math.ceil(total * fraction / page_bytes)) * page_bytes
+
+    tiers: dict[str, Any] = {"device": {"capacity": pages(sizing.device_fraction)}}
+    if name == "device-only":
+        tiers |= {"host": {"capacity": 0}, "storage": []}
+    else:
+        storage = [dict(t.model_dump(mode="json", exclude_none=True)) for t in probe.tiers.storage]
+        for tier in storage:
+            if tier["kind"] == "file":
+                tier["capacity"] = pages(sizing.storage_fraction)
+        tiers |= {"host": {"capacity": pages(sizing.host_fraction)}, "storage": storage}
+    overrides = model_overrides(model) | {"tiers": tiers}
+    return load_config(base, overrides=overrides, env=env)
