@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import anyio
@@ -31,6 +32,8 @@ class FailingModel(torch.nn.Module):
         self.inner = model
         self.config = model.config
         self.poison = poison
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers 5.x / 4.5x
 
     @property
     def dtype(self) -> torch.dtype:
@@ -39,7 +42,8 @@ class FailingModel(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, cache: Any = None, use_cache: bool = True, logits_to_keep: int = 0):
         if self.poison in input_ids.tolist()[0]:
             raise RuntimeError("injected model failure")
-        return self.inner(input_ids=input_ids, cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep)
+        kwargs = {self.cache_kw: cache, "use_cache": use_cache, "logits_to_keep": logits_to_keep}
+        return self.inner(input_ids=input_ids, **kwargs)
 
 
 def overlaps(intervals: list[tuple[float, float]]) -> int:

@@ -33,7 +33,7 @@ class ModelPreset:
 
     name: str
     description: str
-    llama: dict[str, int] | None = None
+    llama: dict[str, Any] | None = None
 
 
 MODELS: dict[str, ModelPreset] = {
@@ -47,8 +47,9 @@ MODELS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
         "tiny",
         "random-initialised Llama for tests: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 1000",
+        # Weights 5x the usual init scale: logits then move ~1e-3 when KV moves 0.1%, so tests see it.
         dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=1000),
+             num_key_value_heads=2, vocab_size=1000, initializer_range=0.1),
     ),
 }
 
