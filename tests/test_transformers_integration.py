@@ -172,3 +172,16 @@ async def test_bad_token_ids_are_rejected_before_anything_runs() -> None:
                 async with lm.sequence(bad):
                     pass
         assert cache.stats().retrieves == 0
+
+
+async def test_a_sequence_started_without_lookup_still_reads_the_file_tier(tmp_path: Path) -> None:
+    tokens = prompt(100, seed=15)
+    config = lm_config(MODEL, tmp_path / "pages")
+    async with HiCache.from_config(config) as cache:
+        await run(CachedCausalLM(MODEL, cache), tokens)
+        await cache.wait_idle()
+    async with HiCache.from_config(config) as cache:
+        async with CachedCausalLM(MODEL, cache).sequence(tokens) as seq:  # no lm.lookup() first
+            await seq.prefill()
+        assert seq.by_tier["file"] == 96
+        assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
