@@ -83,8 +83,6 @@ class CachedCausalLM:
         if self.cache is None:
             yield Sequence(self, prompt, None)
             return
-        # Joins the prefetch an earlier lookup started, or starts one: storage hits are never skipped.
-        await self.cache.lookup(prompt)
         async with self.cache.retrieve(prompt) as view:
             seq = Sequence(self, prompt, view)
             yield seq
