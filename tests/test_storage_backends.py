@@ -8,7 +8,8 @@ raw ``PageIO`` buffers, so it checks the backend, not the cache around it.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -19,6 +20,9 @@ from hicache.errors import CacheClosedError, InvalidRequestError
 from hicache.tiers.storage import HEADER_BYTES, PageIO, StorageBackend
 from hicache.tiers.storage.file import FileBackend
 from hicache.tiers.storage.memory import MemoryBackend
+from hicache.tiers.storage.redis import RedisBackend
+
+from .servers import ServerProcess, start_valkey
 
 PAYLOAD = 4096
 PAGE = HEADER_BYTES + PAYLOAD
@@ -26,11 +30,25 @@ PAGE = HEADER_BYTES + PAYLOAD
 BackendFactory = Callable[..., StorageBackend]
 
 
-@pytest.fixture(params=["memory", "file"])
+@pytest.fixture(scope="session")
+def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real valkey-server on loopback for the whole session; tests keep apart by key prefix."""
+    server = start_valkey(tmp_path_factory.mktemp("valkey"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "file", "redis"])
 def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
-    """``factory(**settings)`` builds a fresh backend of this kind (file: in a per-test folder)."""
+    """``factory(**settings)`` builds a fresh backend of this kind (file: in a per-test folder;
+    redis: under a per-test key prefix on the session's server)."""
     if request.param == "memory":
         return lambda **kw: MemoryBackend(**kw)
+    if request.param == "redis":
+        server = request.getfixturevalue("valkey")
+        prefix = f"t{uuid.uuid4().hex[:12]}"
+        url = f"redis://127.0.0.1:{server.port}/0"
+        return lambda **kw: RedisBackend(url=url, key_prefix=prefix, **kw)
     return lambda **kw: FileBackend(path=str(tmp_path / "pages"), **kw)
 
 

@@ -31,7 +31,9 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    SecretStr,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -186,6 +188,10 @@ class HostTierConfig(BaseModel):
     pin_memory: _PinMemory = "auto"
 
 
+SECRET_MASK = "**********"
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]*@")  # the password of scheme://user:password@host
+
+
 class StorageTierConfig(BaseModel):
     """One storage tier below the host pool: ``kind`` picks the backend, the other keys configure it.
 
@@ -213,6 +219,41 @@ class StorageTierConfig(BaseModel):
             loc, message = _describe(exc.errors(include_url=False)[0])
             raise _field_error(_dotted(loc), message) from None
         return self
+
+    @model_serializer(mode="wrap")
+    def _hide_secrets(self, handler: Any) -> Any:
+        """Dumps (``hicache config``, benchmark JSON) never show a backend's secrets."""
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self._secret_fields():
+                if data.get(name) is not None:
+                    data[name] = SECRET_MASK
+            for name, value in data.items():
+                if isinstance(value, str) and "://" in value:
+                    data[name] = _URL_PASSWORD.sub(r"\1" + SECRET_MASK + "@", value)
+        return data
+
+    def __repr_args__(self) -> Any:
+        secret = self._secret_fields()
+        for name, value in super().__repr_args__():
+            if name in secret and value is not None:
+                value = SECRET_MASK
+            elif isinstance(value, str) and "://" in value:
+                value = _URL_PASSWORD.sub(r"\1" + SECRET_MASK + "@", value)
+            yield name, value
+
+    def _secret_fields(self) -> set[str]:
+        from .tiers.storage.registry import resolve_backend
+
+        try:
+            settings = resolve_backend(self.kind).Settings
+        except ConfigError:
+            return set()
+        return {
+            name
+            for name, field in settings.model_fields.items()
+            if field.annotation is SecretStr or SecretStr in get_args(field.annotation)
+        }
 
     @property
     def tier_name(self) -> str:

@@ -29,6 +29,7 @@ ENTRY_POINT_GROUP = "hicache.storage"
 BUILTIN_BACKENDS = {
     "memory": "hicache.tiers.storage.memory:MemoryBackend",
     "file": "hicache.tiers.storage.file:FileBackend",
+    "redis": "hicache.tiers.storage.redis:RedisBackend",  # needs the `redis` extra
 }
 
 
