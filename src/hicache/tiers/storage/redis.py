@@ -70,7 +70,7 @@ class RedisBackend(StorageBackend):
             "socket_timeout": s.timeout_s,
             "socket_connect_timeout": s.connect_timeout_s,
             "username": s.username,
-            "password": s.password.get_secret_value() if s.password is not None else None,
+            "password": (s.password.get_secret_value() or None) if s.password is not None else None,
         }
         if s.url.startswith("rediss://"):
             options |= {"ssl_ca_certs": s.tls_ca_file, "ssl_certfile": s.tls_cert_file, "ssl_keyfile": s.tls_key_file}
