@@ -72,7 +72,7 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, dict[str, lis
             names = [b"bench-raw:" + k.hex().encode() for k in keys]
             values = [b"\0" * 128 + saved[i].view(torch.uint8).numpy().tobytes() for i in range(n)]  # same bytes
 
-            async def raw_write() -> float:
+            async def raw_write(names: list[bytes] = names, values: list[bytes] = values) -> float:
                 t0 = time.perf_counter()
                 for s in range(0, n, batch):
                     async with raw.pipeline(transaction=False) as pipe:

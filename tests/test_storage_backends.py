@@ -20,8 +20,10 @@ from hicache.errors import CacheClosedError, InvalidRequestError
 from hicache.tiers.storage import HEADER_BYTES, PageIO, StorageBackend
 from hicache.tiers.storage.file import FileBackend
 from hicache.tiers.storage.memory import MemoryBackend
+from hicache.tiers.storage.mooncake import MooncakeBackend
 from hicache.tiers.storage.redis import RedisBackend
 
+from .mooncake_master import start_mooncake
 from .servers import ServerProcess, start_valkey
 
 PAYLOAD = 4096
@@ -38,7 +40,15 @@ def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server.stop()
 
 
-@pytest.fixture(params=["memory", "file", "redis"])
+@pytest.fixture(scope="session")
+def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """One real mooncake_master on loopback for the session; tests keep apart by key prefix."""
+    server, settings = start_mooncake(tmp_path_factory.mktemp("mooncake"))
+    yield settings
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "file", "redis", "mooncake"])
 def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
     """``factory(**settings)`` builds a fresh backend of this kind (file: in a per-test folder;
     redis: under a per-test key prefix on the session's server)."""
@@ -49,6 +59,10 @@ def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFa
         prefix = f"t{uuid.uuid4().hex[:12]}"
         url = f"redis://127.0.0.1:{server.port}/0"
         return lambda **kw: RedisBackend(url=url, key_prefix=prefix, **kw)
+    if request.param == "mooncake":
+        settings = request.getfixturevalue("mooncake_cluster")
+        prefix = f"t{uuid.uuid4().hex[:12]}"
+        return lambda **kw: MooncakeBackend(**(settings | {"key_prefix": prefix} | kw))
     return lambda **kw: FileBackend(path=str(tmp_path / "pages"), **kw)
 
 

@@ -30,6 +30,7 @@ BUILTIN_BACKENDS = {
     "memory": "hicache.tiers.storage.memory:MemoryBackend",
     "file": "hicache.tiers.storage.file:FileBackend",
     "redis": "hicache.tiers.storage.redis:RedisBackend",  # needs the `redis` extra
+    "mooncake": "hicache.tiers.storage.mooncake:MooncakeBackend",  # needs the `mooncake` extra
 }
 
 

@@ -1,0 +1,209 @@
+"""The Mooncake Store backend against a real ``mooncake_master`` (loopback, free ports, stopped by PID).
+
+The backend contract suite runs against Mooncake in ``tests/test_storage_backends.py``; here are
+what is particular to it: zero-copy registration, lost objects, a master killed and back, and two
+processes sharing one cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from hicache.errors import StorageError  # noqa: E402
+from hicache.tiers.storage import HEADER_BYTES, PageIO  # noqa: E402
+from hicache.tiers.storage.mooncake import MooncakeBackend  # noqa: E402
+from tests.mooncake_master import start_mooncake  # noqa: E402
+from tests.servers import ServerProcess  # noqa: E402
+from tests.test_storage_backends import BackendFactory, empty, key, page, same  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, dict[str, Any]]]:
+    server, settings = start_mooncake(tmp_path_factory.mktemp("mooncake"))
+    try:
+        yield server, settings
+    finally:
+        server.stop()
+
+
+def fresh(settings: dict[str, Any], **kw: Any) -> MooncakeBackend:
+    """A backend in its own key namespace, so tests sharing the master do not see each other's pages."""
+    return MooncakeBackend(**{"key_prefix": f"t{uuid.uuid4().hex[:12]}", "register_min": 256 * 1024,
+                              "staging_size": 4 * 1024**2, **settings, **kw})
+
+
+@pytest.fixture
+def backend_factory(mooncake: tuple[ServerProcess, dict[str, Any]]) -> BackendFactory:
+    return lambda **kw: fresh(mooncake[1], **kw)
+
+
+async def test_clear_removes_this_prefix_only(backend_factory: BackendFactory) -> None:
+    async with backend_factory() as b, backend_factory() as other:
+        keys = [key(i) for i in range(4)]
+        await b.set(keys, [page(i) for i in range(4)])
+        await other.set(keys, [page(i) for i in range(4)])
+        await b.clear()
+        assert await b.exists(keys) == 0
+        assert await other.exists(keys) == 4
+        assert b.stats().errors == 0
+
+
+# -- Mooncake specifics --------------------------------------------------------------------------
+
+
+def pool_pages(n: int, payload: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, list[PageIO]]:
+    """Pages whose payloads are views into one big buffer (a ``page_first`` host pool)."""
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(0, 256, (n, payload), dtype=np.uint8)
+    headers = rng.integers(0, 256, (n, HEADER_BYTES), dtype=np.uint8)
+    return pool, headers, [PageIO(memoryview(headers[i]), (memoryview(pool[i]),)) for i in range(n)]
+
+
+async def test_zero_copy_round_trip_from_one_big_buffer(backend_factory: BackendFactory) -> None:
+    n, payload = 8, 64 * 1024
+    src_pool, _, src = pool_pages(n, payload, seed=1)
+    dst_pool, _, dst = pool_pages(n, payload, seed=2)
+    keys = [key(i) for i in range(n)]
+    async with backend_factory() as b:
+        assert await b.set(keys, src) == n
+        assert await b.get(keys, dst) == n
+        assert all(same(dst[i], src[i]) for i in range(n))
+        # both pools were used in place: registered whole, next to the staging arena (headers)
+        registered = set(b._registered)
+        assert {int(src_pool.ctypes.data), int(dst_pool.ctypes.data)} <= registered
+        assert len(registered) == 3  # source pool, destination pool, staging arena
+
+
+async def test_layer_first_pieces_in_place_and_split_pieces_staged(backend_factory: BackendFactory) -> None:
+    """Pieces that are strided views of a big buffer (``layer_first``) and small loose pieces both round-trip."""
+    n, chunks, chunk = 4, 6, 8 * 1024
+    rng = np.random.default_rng(3)
+    pool = rng.integers(0, 256, (chunks, n, chunk), dtype=np.uint8)  # [C*L, pages, chunk]
+    pieces = pool.transpose(1, 0, 2)
+    headers = rng.integers(0, 256, (n, HEADER_BYTES), dtype=np.uint8)
+    src = [PageIO(memoryview(headers[i]), tuple(memoryview(p) for p in pieces[i])) for i in range(n)]
+    keys = [key(i) for i in range(n)]
+    async with backend_factory() as b:
+        assert await b.set(keys, src) == n
+        out = [PageIO.of(np.zeros(HEADER_BYTES, np.uint8), *np.split(np.zeros(chunks * chunk, np.uint8), [100, 5000]))
+               for _ in range(n)]  # small loose buffers: the staging path
+        assert await b.get(keys, out) == n
+        assert all(same(out[i], src[i]) for i in range(n))
+
+
+async def test_removed_on_the_server_is_a_miss(backend_factory: BackendFactory, mooncake: Any) -> None:
+    from mooncake.store import MooncakeDistributedStore
+
+    settings = mooncake[1]
+    async with backend_factory() as b:
+        keys = [key(i) for i in range(4)]
+        assert await b.set(keys, [page(i) for i in range(4)]) == 4
+        other = MooncakeDistributedStore()  # another client removes page 2, as an eviction would
+        assert other.setup("127.0.0.1", settings["metadata_server"], 16 * 1024**2, 16 * 1024**2, "tcp", "",
+                           settings["master"]) == 0
+        try:
+            assert other.remove(f"{b.settings.key_prefix}/{key(2).hex()}", True) == 0
+        finally:
+            other.close()
+        assert await b.exists(keys) == 2
+        out = empty(4)
+        assert await b.get(keys, out) == 2
+        assert same(out[1], page(1))
+        assert (b.stats().errors, b.stats().timeouts) == (0, 0)
+
+
+async def test_master_killed_then_back(tmp_path: Path) -> None:
+    server, settings = start_mooncake(tmp_path)
+    try:
+        async with fresh(settings, timeout_s=2.0) as b:
+            keys = [key(i) for i in range(3)]
+            assert await b.set(keys, [page(i) for i in range(3)]) == 3
+            server.kill()
+            for verb in ("set", "get", "exists", "get"):
+                start = time.monotonic()
+                with pytest.raises(StorageError):
+                    if verb == "set":
+                        await b.set([key(7)], [page(7)])
+                    elif verb == "get":
+                        await b.get(keys, empty(3))
+                    else:
+                        await b.exists(keys)
+                assert time.monotonic() - start < 2.0 + 1.0, verb  # timeout_s, plus slack
+            server.start()
+            deadline = time.monotonic() + 20
+            while True:  # the client notices the master is back within a few seconds
+                try:
+                    if await b.set([key(5)], [page(5)]) == 1:
+                        break
+                except StorageError:
+                    pass
+                assert time.monotonic() < deadline, "the backend did not recover"
+                time.sleep(0.3)
+            out = empty(1)
+            assert await b.get([key(5)], out) == 1 and same(out[0], page(5))
+            assert await b.exists(keys) == 0  # the new master knows nothing of the old objects: misses
+            assert b.stats().errors + b.stats().timeouts >= 4
+    finally:
+        server.stop()
+
+
+WRITER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from hicache.tiers.storage.mooncake import MooncakeBackend
+    from tests.test_storage_backends import key, page
+
+    async def main():
+        async with MooncakeBackend(**json.loads(sys.argv[1])) as b:
+            n = await b.set([key(i) for i in range(6)], [page(i, salt=9) for i in range(6)])
+            print(f"stored {n}", flush=True)
+            sys.stdin.readline()  # keep the segment (and the data in it) alive until told
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_two_processes_share_one_cluster(mooncake: Any) -> None:
+    import json
+
+    settings = {**mooncake[1], "key_prefix": f"x{uuid.uuid4().hex[:8]}"}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, json.dumps(settings)], cwd=REPO, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        assert writer.stdout.readline().strip() == "stored 6"
+        async with MooncakeBackend(**settings) as reader:
+            keys = [key(i) for i in range(6)]
+            assert await reader.exists(keys) == 6
+            out = empty(6)
+            assert await reader.get(keys, out) == 6
+            assert all(same(out[i], page(i, salt=9)) for i in range(6))
+        writer.stdin.write("done\n")
+        writer.stdin.flush()
+        assert writer.wait(timeout=30) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+        for pipe in (writer.stdin, writer.stdout):
+            if pipe is not None:
+                pipe.close()
