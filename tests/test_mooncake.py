@@ -207,3 +207,64 @@ async def test_two_processes_share_one_cluster(mooncake: Any) -> None:
         for pipe in (writer.stdin, writer.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def test_a_second_engine_process_reuses_the_first_ones_kv_through_the_cluster(mooncake: Any) -> None:
+    """Two engine processes (HiCache with a Mooncake tier): the second computes nothing itself."""
+    import json
+
+    tier = json.dumps({"kind": "mooncake", **mooncake[1], "key_prefix": f"e{uuid.uuid4().hex[:8]}", "timeout_s": 5.0})
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO)}
+
+    def spawn(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "tests.remote_worker", *args], cwd=REPO, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    writer = spawn("store", tier, "0", "3", "--hold")  # stays alive: its segment holds the pages
+    try:
+        assert writer.stdout is not None
+        stored = json.loads(writer.stdout.readline())
+        assert stored == {"stored_pages": 18, "failures": 0}
+        reader = spawn("check", tier, "0", "3")
+        out, err = reader.communicate(timeout=120)
+        assert reader.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == {"hits": [24, 24, 24], "exact": [True] * 3, "corrupt": 0}
+    finally:
+        writer.communicate(input="", timeout=60)
+
+
+async def test_requests_go_on_while_the_master_is_down_and_the_tier_is_used_again(tmp_path: Path) -> None:
+    """Through the cache: a killed master costs counted failures, never a hang or wrong data."""
+    import anyio
+
+    from hicache import HiCache
+    from tests.conftest import make_config, make_kv, make_tokens
+    from tests.test_redis_tier import read_back
+
+    server, settings = start_mooncake(tmp_path)
+    tier = {"kind": "mooncake", **settings, "timeout_s": 2.0}
+    config = make_config(8, 256, tiers={"storage": [tier]},
+                         policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": 4})
+    prompts = [(make_tokens(24, seed=40 + i), make_kv(config, 24, seed=40 + i)) for i in range(8)]
+    try:
+        async with HiCache.from_config(config) as cache:
+            server.kill()
+            started = time.monotonic()
+            for tokens, kv in prompts[:2]:
+                await cache.store(tokens, kv)
+                assert await read_back(cache, tokens, kv) == (24, True)  # from memory
+            await cache.wait_idle()
+            assert time.monotonic() - started < 30
+            down = cache.stats().storage["mooncake"]
+            assert down.failures > 0 and down.stored_pages == 0
+            server.start()
+            deadline = time.monotonic() + 30
+            seed = 100
+            while not cache.stats().storage["mooncake"].stored_pages and time.monotonic() < deadline:
+                seed += 1  # new prompts until the tier takes them again: no restart of the cache
+                await cache.store(make_tokens(24, seed=seed), make_kv(config, 24, seed=seed))
+                await cache.wait_idle()
+                await anyio.sleep(0.5)
+            assert cache.stats().storage["mooncake"].stored_pages > 0, time.monotonic() - started
+    finally:
+        server.stop()
