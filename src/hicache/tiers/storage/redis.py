@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 from pydantic import Field, SecretStr
 
 from ...config import ByteSize
@@ -57,6 +58,8 @@ class RedisBackend(StorageBackend):
         self._client: Any = None
         self._prefix = f"{self.settings.key_prefix}:".encode()
         self._index = LruIndex(self.settings.capacity)  # the pages this process knows are there
+        self._staging = bytearray()  # values of the set in flight (see _stage)
+        self._set_lock = anyio.Lock()
 
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
@@ -113,11 +116,13 @@ class RedisBackend(StorageBackend):
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
         ttl = self.settings.ttl_s
         fits, victims = self._index.plan(keys, [io.nbytes for io in pages])
-        async with self._client.pipeline(transaction=False) as pipe:
+        async with self._set_lock, self._client.pipeline(transaction=False) as pipe:
             if victims:
                 pipe.unlink(*(self._key(k) for k in victims))
-            for key, io in zip(keys[:fits], pages[:fits], strict=True):
-                pipe.set(self._key(key), b"".join(io.buffers()), ex=ttl)
+            for key, value in zip(keys[:fits], self._stage(pages[:fits]), strict=True):
+                pipe.set(self._key(key), value, ex=ttl)
+            # The transport sends or copies every value before execute() returns: the staging
+            # buffer is free again for the next call.
             results = await pipe.execute(raise_on_error=False)
         for key in victims:
             self._index.forget(key)
@@ -130,6 +135,25 @@ class RedisBackend(StorageBackend):
             if isinstance(failed, Exception):
                 raise failed  # counted as an error; the pages before it are stored
         return done
+
+    def _stage(self, pages: Sequence[PageIO]) -> list[memoryview]:
+        """Each page as one contiguous value, in a buffer reused from call to call.
+
+        A value is header + payload, which live apart; joining them into fresh bytes each call
+        costs page faults on new memory (about 1.8 ms per 3 MiB page here), a reused buffer does not.
+        """
+        need = sum(io.nbytes for io in pages)
+        if len(self._staging) < need:
+            self._staging = bytearray(need)
+        view = memoryview(self._staging)
+        values, pos = [], 0
+        for io in pages:
+            start = pos
+            for buf in io.buffers():
+                view[pos : pos + len(buf)] = buf
+                pos += len(buf)
+            values.append(view[start:pos])
+        return values
 
     async def _delete(self, keys: Sequence[bytes]) -> None:
         if keys:
