@@ -33,7 +33,6 @@ import logging
 import os
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -43,6 +42,7 @@ from pydantic import Field
 
 from ...config import ByteSize
 from .base import BackendSettings, PageIO, StorageBackend
+from .lru_index import LruIndex
 
 __all__ = ["FileBackend"]
 
@@ -68,8 +68,7 @@ class FileBackend(StorageBackend):
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
         self.root = Path(os.path.expandvars(self.settings.path)).expanduser()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
-        self._used = 0
+        self._index = LruIndex(self.settings.capacity)  # key -> file size, least recently used first
         self._write_limiter = anyio.CapacityLimiter(self.settings.write_threads)
 
     # -- paths ----------------------------------------------------------------------------------
@@ -93,9 +92,10 @@ class FileBackend(StorageBackend):
     async def _open(self) -> None:
         found = await anyio.to_thread.run_sync(self._scan)
         found.sort(key=lambda item: item[2])
-        self._index = OrderedDict((key, size) for key, size, _ in found)
-        self._used = sum(self._index.values())
-        log.debug("file backend %s: %d pages, %d bytes", self.root, len(self._index), self._used)
+        self._index.clear()
+        for key, size, _ in found:  # oldest first
+            self._index.remember(key, size)
+        log.debug("file backend %s: %d pages, %d bytes", self.root, len(self._index), self._index.used)
 
     def _scan(self) -> list[tuple[bytes, int, float]]:
         """Every page file under the root as ``(key, size, mtime)``; stale temporaries removed."""
@@ -122,17 +122,15 @@ class FileBackend(StorageBackend):
         return found
 
     def _usage(self) -> tuple[int, int, int]:
-        return self._used, self.settings.capacity, len(self._index)
+        return self._index.used, self.settings.capacity, len(self._index)
 
     # -- index ----------------------------------------------------------------------------------
 
     def _remember(self, key: bytes, size: int) -> None:
-        self._used += size - self._index.get(key, 0)
-        self._index[key] = size
-        self._index.move_to_end(key)
+        self._index.remember(key, size)
 
     def _forget(self, key: bytes) -> None:
-        self._used -= self._index.pop(key, 0)
+        self._index.forget(key)
 
     # -- the three operations -------------------------------------------------------------------
 
@@ -163,23 +161,11 @@ class FileBackend(StorageBackend):
         return done
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
-        fits, room = 0, self.settings.capacity
-        while fits < len(keys) and pages[fits].nbytes <= room:  # never more than the capacity holds
-            room -= pages[fits].nbytes
-            fits += 1
+        fits, victims = self._index.plan(keys, [io.nbytes for io in pages])  # never over the capacity
         keys, pages = keys[:fits], pages[:fits]
         if not keys:
             return 0
         incoming = {k: io.nbytes for k, io in zip(keys, pages, strict=True)}
-        need = sum(incoming.values()) - sum(self._index.get(k, 0) for k in incoming)
-        victims: list[bytes] = []
-        excess = self._used + need - self.settings.capacity
-        for key, size in self._index.items():  # least recently used first
-            if excess <= 0:
-                break
-            if key not in incoming:
-                victims.append(key)
-                excess -= size
         for key in victims:
             self._forget(key)
         self.evicted_pages += len(victims)
@@ -212,7 +198,6 @@ class FileBackend(StorageBackend):
 
     async def _clear(self) -> None:
         self._index.clear()
-        self._used = 0
         await anyio.to_thread.run_sync(self._remove_all)
 
     def _remove_all(self) -> None:

@@ -1,8 +1,8 @@
-"""``LruIndex``: the pages a remote backend knows of, for a byte ``capacity`` enforced client-side.
+"""``LruIndex``: the pages a backend knows of, least recently used first, for a byte ``capacity``.
 
-A shared server cannot tell one client which of its keys to drop first, so a backend with a
-``capacity`` keeps the keys it wrote or read here, least recently used first, and evicts from them.
-As with the file tier, several processes sharing one server each enforce their own capacity.
+A shared store (a folder, a server) cannot tell one client which of its pages to drop first, so a
+backend with a ``capacity`` keeps the keys it wrote or read, and evicts from them. Several
+processes sharing one store each enforce their own capacity on the pages they know of.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ class LruIndex:
 
     def __len__(self) -> int:
         return len(self._sizes)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._sizes
 
     def remember(self, key: bytes, size: int) -> None:
         """``key`` is stored with ``size`` bytes and was just used."""
