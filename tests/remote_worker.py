@@ -1,11 +1,12 @@
-"""An engine process sharing a remote storage tier: ``python -m tests.remote_worker VERB TIER_JSON FIRST COUNT``.
+"""An engine process sharing a storage tier: ``python -m tests.remote_worker VERB TIER_JSON FIRST COUNT``.
 
-    store   store prompts FIRST..FIRST+COUNT-1 (write-through to the remote tier); with --hold, stay
-            alive until stdin closes (a Mooncake client's pages live in its own segment)
-    check   in a fresh cache with the remote tier only: look up and retrieve each prompt, compare bit by bit
+    store   store prompts FIRST..FIRST+COUNT-1 (write-through to the tier); with --hold, stay alive
+            until stdin closes (a Mooncake client's pages live in its own segment)
+    check   in a fresh cache with that tier only: look up and retrieve each prompt, compare bit by bit
 
+``TIER_JSON`` is one ``tiers.storage`` entry (a file folder, a Valkey server, a Mooncake cluster).
 Prints one JSON line. Prompt ``i`` and its KV derive from seed ``i``: the processes share nothing
-but the server.
+but the tier.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ async def store(tier: dict, first: int, count: int, hold: bool) -> None:
             await cache.store(*prompt(cfg, i))
         await cache.wait_idle()
         s = cache.stats().storage[cfg.tiers.storage[0].tier_name]
-        print(json.dumps({"stored_pages": s.stored_pages, "failures": s.failures}), flush=True)
+        out = {"stored_pages": s.stored_pages, "skipped_pages": s.skipped_pages, "failures": s.failures}
+        print(json.dumps(out), flush=True)
         if hold:
             await anyio.to_thread.run_sync(sys.stdin.read)
 
@@ -65,7 +67,8 @@ async def check(tier: dict, first: int, count: int, hold: bool) -> None:
                     ok = ok and torch.equal(k, kv[0, layer, :n]) and torch.equal(v, kv[1, layer, :n])
                 exact.append(ok)
         s = cache.stats().storage[name]
-        print(json.dumps({"hits": hits, "exact": exact, "corrupt": s.backend.corrupt_pages}), flush=True)
+        out = {"hits": hits, "exact": exact, "corrupt": s.backend.corrupt_pages, "fetched": s.fetched_pages}
+        print(json.dumps(out), flush=True)
 
 
 def main() -> None:

@@ -16,15 +16,16 @@ from hicache.tiers.storage import PageIO
 from hicache.tiers.storage.file import FileBackend
 from hicache.tiers.storage.page_format import HEADER_BYTES, PageCodec
 
-from .process_worker import config
+from .remote_worker import config
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def spawn(*args: object) -> subprocess.Popen[str]:
+def spawn(verb: str, root: Path, *rest: object) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.process_worker", *map(str, args)],
+        [sys.executable, "-m", "tests.remote_worker", verb, json.dumps({"kind": "file", "path": str(root)}),
+         *map(str, rest)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -40,7 +41,7 @@ def test_a_second_process_reuses_the_first_ones_pages(tmp_path: Path) -> None:
     stored = result(spawn("store", root, 0, 4))
     assert stored["stored_pages"] == 4 * 6 and stored["failures"] == 0
     checked = result(spawn("check", root, 0, 4))  # a fresh process: nothing in memory, only the folder
-    assert checked["file_hits"] == [24] * 4
+    assert checked["hits"] == [24] * 4
     assert checked["exact"] == [True] * 4
     assert checked["corrupt"] == 0 and checked["fetched"] == 24
     again = result(spawn("check", root, 0, 4))  # and after another restart
@@ -62,7 +63,7 @@ def test_two_processes_writing_the_same_pages_leave_a_valid_store(tmp_path: Path
 
 async def count_valid_files(root: Path) -> int:
     """Every page file in ``root`` passes the header and checksum check; return how many there are."""
-    cache = HiCache.from_config(config(str(root)))  # built for its namespace and geometry, not opened
+    cache = HiCache.from_config(config({"kind": "file", "path": str(root)}))  # built for its namespace and geometry, not opened
     codec = PageCodec(cache.namespace.digest, cache.controller.device.geometry)
     valid = 0
     async with FileBackend(path=str(root)) as backend:

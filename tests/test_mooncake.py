@@ -224,11 +224,12 @@ def test_a_second_engine_process_reuses_the_first_ones_kv_through_the_cluster(mo
     try:
         assert writer.stdout is not None
         stored = json.loads(writer.stdout.readline())
-        assert stored == {"stored_pages": 18, "failures": 0}
+        assert stored == {"stored_pages": 18, "skipped_pages": 0, "failures": 0}
         reader = spawn("check", tier, "0", "3")
         out, err = reader.communicate(timeout=120)
         assert reader.returncode == 0, err
-        assert json.loads(out.strip().splitlines()[-1]) == {"hits": [24, 24, 24], "exact": [True] * 3, "corrupt": 0}
+        checked = json.loads(out.strip().splitlines()[-1])
+        assert checked == {"hits": [24, 24, 24], "exact": [True] * 3, "corrupt": 0, "fetched": 18}
     finally:
         writer.communicate(input="", timeout=60)
 

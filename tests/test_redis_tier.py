@@ -105,9 +105,9 @@ def result(proc: subprocess.Popen[str]) -> dict:
 def test_a_second_engine_process_reuses_the_first_ones_kv(valkey: ServerProcess) -> None:
     tier = json.dumps(redis_tier(valkey))
     stored = result(spawn("store", tier, "0", "3"))
-    assert stored == {"stored_pages": 18, "failures": 0}
+    assert stored == {"stored_pages": 18, "skipped_pages": 0, "failures": 0}
     checked = result(spawn("check", tier, "0", "3"))  # computed nothing itself: all from Valkey
-    assert checked == {"hits": [24, 24, 24], "exact": [True] * 3, "corrupt": 0}
+    assert checked == {"hits": [24, 24, 24], "exact": [True] * 3, "corrupt": 0, "fetched": 18}
 
 
 async def test_a_lost_or_expired_key_is_a_miss(valkey: ServerProcess) -> None:
