@@ -164,12 +164,13 @@ class Engine(anyio.AsyncContextManagerMixin):
             raise EngineOverloadedError(f"{self.max_waiting} requests are waiting already")
         handle = RequestHandle(request, self.now())
         self._live.add(handle)
-        self._counts["submitted"] += 1
         try:
             handle.hit = await self.lm.lookup(request.tokens)
             self._send.send_nowait(handle)
+            self._counts["submitted"] += 1
         except BaseException as exc:
             self._live.discard(handle)
+            handle.cancel()  # a prefetch the lookup started is not left running for nobody
             handle._finish(None, exc if isinstance(exc, Exception) else RequestCancelledError("cancelled"))
             if isinstance(exc, anyio.WouldBlock):
                 raise EngineOverloadedError("the waiting queue is full") from exc
