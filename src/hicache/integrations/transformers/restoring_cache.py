@@ -47,10 +47,6 @@ class RestoringCache(DynamicCache):
             self.restore(layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    @property
-    def pending_layers(self) -> int:
-        return len(self._pending)
-
 
 def layer_tensors(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values ``[batch, kv_heads, seq, head_dim]`` of one layer, across transformers versions."""
