@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import HiCacheConfig, load_config
-from ..integrations.transformers import ModelSpec, model_overrides
+from ..integrations.transformers import model_overrides
 
 __all__ = ["CONFIGURATIONS", "Sizing", "cache_config", "device_tokens"]
 
 CONFIGURATIONS = ("no-cache", "device-only", "hierarchical", "warm-restart")
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 @dataclass(frozen=True)
@@ -37,10 +36,6 @@ def device_tokens(kv_tokens: int, sizing: Sizing, page_size: int) -> int:
     return max(1, math.ceil(kv_tokens * sizing.device_fraction / page_size)) * page_size
 
 
-def kv_bytes_per_token(spec: ModelSpec) -> int:
-    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * _ITEMSIZE[spec.dtype]
-
-
 def cache_config(
     name: str, model: Any, kv_tokens: int, sizing: Sizing, base: str | None, pages_dir: str
 ) -> HiCacheConfig | None:
@@ -51,11 +46,10 @@ def cache_config(
         return None
     env = {"HICACHE_BENCH_PAGES": pages_dir}
     probe = load_config(base, overrides=model_overrides(model, fingerprint=False), env=env)
-    page_bytes = probe.page_bytes
-    total = kv_tokens * kv_bytes_per_token(ModelSpec.of(model))
 
     def pages(fraction: float) -> int:
-        return max(1, math.ceil(total * fraction / page_bytes)) * page_bytes
+        """Bytes of whole pages holding ``fraction`` of the workload's KV (as ``device_tokens`` counts)."""
+        return max(1, math.ceil(kv_tokens * fraction / probe.page_size)) * probe.page_bytes
 
     tiers: dict[str, Any] = {"device": {"capacity": pages(sizing.device_fraction)}}
     if name == "device-only":
