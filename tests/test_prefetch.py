@@ -183,15 +183,30 @@ async def test_dropping_a_request_before_it_runs_cancels_the_lookup_prefetch() -
         assert_consistent(cache)
 
 
-async def test_below_the_threshold_nothing_is_prefetched() -> None:
+async def test_below_the_threshold_lookup_starts_nothing_but_retrieve_still_fetches() -> None:
+    """The threshold keeps ``lookup`` from starting background work for a few pages; a retrieve
+    that needs them (``wait_complete``) still brings them, so it gives what lookup found."""
     config = slow_config("wait_complete", delay_s=0.0, prefetch_threshold_tokens=10_000)
     async with HiCache.from_config(config) as cache:
         tokens = make_tokens(PAGES * cache.page_size)
-        await stored_only_in_storage(cache, tokens)
+        kv = await stored_only_in_storage(cache, tokens)
         hit = await cache.lookup(tokens)
         assert hit.by_tier["slow"] == len(tokens) and hit.prefetch is None
+        assert cache.stats().prefetches == 0
         async with cache.retrieve(tokens) as view:
-            assert view.tokens == 0
+            assert view.tokens == hit.tokens
+            await view.wait_all()
+            assert torch.equal(view.layer(0)[0], kv[0, 0])
+        assert cache.stats().prefetches == 1
+
+
+async def test_below_the_threshold_best_effort_retrieve_fetches_nothing() -> None:
+    config = slow_config("best_effort", delay_s=0.0, prefetch_threshold_tokens=10_000)
+    async with HiCache.from_config(config) as cache:
+        tokens = make_tokens(PAGES * cache.page_size)
+        await stored_only_in_storage(cache, tokens)
+        async with cache.retrieve(tokens) as view:
+            assert view.tokens == 0  # best effort: only what a lookup already started can help
         assert cache.stats().prefetches == 0
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import torch
 
-from .errors import InvalidKVError, InvalidRequestError
+from .errors import CapacityError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
 from .leases import Lease, RetrieveView, SlotReservation
 from .radix_tree import Pin, TreeNode
@@ -190,26 +190,31 @@ class HiCache(anyio.AsyncContextManagerMixin):
             except BaseException:
                 ctl.device.allocator.free(dev)
                 raise
-            try:
-                await anyio.to_thread.run_sync(
-                    self._write_user_pages, kv, first - start // ps, dev, host, limiter=ctl.limiter
-                )
-            except BaseException:
-                ctl.device.allocator.free(dev)
-                ctl.host.allocator.free(host)
-                raise
-            nodes = ctl.insert_pages(tb, first, dev, host, priority)
+            with ctl.publishing():
+                try:
+                    await anyio.to_thread.run_sync(
+                        self._write_user_pages, kv, first - start // ps, dev, host, limiter=ctl.limiter
+                    )
+                except BaseException:
+                    ctl.device.allocator.free(dev)
+                    ctl.host.allocator.free(host)
+                    raise
+                inserted = ctl.insert_pages(tb, first, dev, host, priority)
+            # The prefix may have left the device meanwhile: then our device pages move to the host.
+            placed = await ctl.place_unplaced(tb, inserted, priority)
         finally:
             if pin is not None:
                 pin.release()
-        stored = sum(nd.num_pages for nd in nodes)
+        nodes = placed.nodes
+        stored = placed.stored
+        dropped = need - stored - placed.duplicates
         ctl.counters.stored_pages += stored
-        ctl.counters.dropped_pages += need - stored
+        ctl.counters.dropped_pages += dropped
         ctl.counters.bytes_moved["user_to_device"] += len(dev) * self._geometry.page_bytes
         ctl.counters.bytes_moved["user_to_host"] += len(host) * self._geometry.page_bytes
         ctl.kick_eviction()
         await self._backup_new(nodes)
-        return StoreResult(stored * ps, first * ps, (need - stored) * ps)
+        return StoreResult(stored * ps, (first + placed.duplicates) * ps, dropped * ps)
 
     def _write_user_pages(self, kv: torch.Tensor, first: int, dev: list[int], host: list[int]) -> None:
         engine = self.controller.engine
@@ -309,6 +314,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
         if len(dev) >= need:
             ctl.device.allocator.free(dev[need:])
             return path, host_only, dev[:need]
+        # The device is full of leased pages: serve a shorter prefix, and say so.
+        ctl.counters.short_retrieves += 1
+        ctl.counters.short_retrieve_tokens += (need - len(dev)) * self._page_size
         kept: list[TreeNode] = []
         room = len(dev)
         for node in host_only:
@@ -365,6 +373,12 @@ class HiCache(anyio.AsyncContextManagerMixin):
         if not isinstance(num_pages, int) or num_pages < 0:
             raise InvalidRequestError(f"num_pages must be a non-negative int, got {num_pages!r}")
 
+        if num_pages > self.controller.device.num_pages:
+            # Checked first: evicting the whole tier and then failing would leave it changed.
+            raise CapacityError(
+                f"reserve({num_pages}) asks for more pages than the device tier has ({self.controller.device.num_pages})"
+            )
+
         async def acquire() -> SlotReservation:
             pages = await self.controller.evictor.alloc_device(num_pages)
             return SlotReservation(pages, self.controller.device, self._commit, self.controller.device.allocator.free)
@@ -377,12 +391,14 @@ class HiCache(anyio.AsyncContextManagerMixin):
         tb = as_token_bytes(tokens)
         if not isinstance(first_page, int) or first_page < 0:
             raise InvalidRequestError(f"first_page must be a non-negative int, got {first_page!r}")
-        # Validated: from here the pages belong to the cache (published or freed by _insert).
-        nodes = ctl.insert_pages(tb, first_page, reservation.hand_over(), [], priority)
-        stored = sum(nd.num_pages for nd in nodes)
+        # Validated: from here the pages belong to the cache (published, or freed by the index).
+        inserted = ctl.insert_pages(tb, first_page, reservation.hand_over(), [], priority)
+        placed = await ctl.place_unplaced(tb, inserted, priority)
+        stored = placed.stored
         ctl.counters.stored_pages += stored
+        ctl.counters.dropped_pages += placed.dropped
         ctl.kick_eviction()
-        await self._backup_new(nodes)
+        await self._backup_new(placed.nodes)
         return stored * self._page_size
 
     # -- observability --------------------------------------------------------------------------
@@ -403,6 +419,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
                 hit_tokens=c.hit_tokens[tier.name],
                 miss_tokens=c.miss_tokens[tier.name],
                 evicted_pages=c.evicted_pages[tier.name],
+                lost_pages=c.lost_pages[tier.name],
             )
             for tier in (ctl.device, ctl.host)
         }
@@ -425,6 +442,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
             prefetched_pages=c.prefetched_pages,
             storage_backups=c.storage_backups,
             spills_to_storage=c.spills_to_storage,
+            short_retrieves=c.short_retrieves,
+            short_retrieve_tokens=c.short_retrieve_tokens,
+            eviction_waits=c.eviction_waits,
+            eviction_wait_s=c.eviction_wait_s,
         )
 
     def __repr__(self) -> str:

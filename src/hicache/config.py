@@ -333,6 +333,9 @@ class ControllerConfig(BaseModel):
     storage_queue: int = Field(default=64, ge=1)
     max_prefetches: int = Field(default=4, ge=1)
     storage_batch_bytes: ByteSize = 64 * 1024**2
+    # How long an allocation may wait for in-flight copies to make room (backpressure) before a
+    # store places fewer pages or a retrieve serves a shorter prefix.
+    alloc_wait_s: float = Field(default=30.0, ge=0)
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> ControllerConfig:

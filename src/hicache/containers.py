@@ -138,6 +138,7 @@ class Container(containers.DeclarativeContainer):
         prefetch_threshold_tokens=config.provided.policies.prefetch_threshold_tokens,
         storage_queue=config.provided.controller.storage_queue,
         max_prefetches=config.provided.controller.max_prefetches,
+        alloc_wait_s=config.provided.controller.alloc_wait_s,
     )
 
     cache = providers.Singleton(HiCache, config, controller, namespace)

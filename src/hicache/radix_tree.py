@@ -49,8 +49,10 @@ class TreeNode:
         "backing_up",
         "storing",
         "stored",
+        "store_failed",
         "source",
         "lock_ref",
+        "lease_ref",
         "hit_count",
         "last_access",
         "created",
@@ -69,8 +71,10 @@ class TreeNode:
         self.backing_up = False  # a backup of this node to host is in flight
         self.storing = False  # a write of its host pages to storage is in flight: keep them
         self.stored = False  # its pages were written to (or read from) storage; a hint (storage is lossy)
+        self.store_failed = False  # a write of its pages to storage failed: it may leave the host, counted as lost
         self.source: str | None = None  # the storage tier its host pages came from, until first used
         self.lock_ref = 0
+        self.lease_ref = 0  # the part of lock_ref held by callers (leases), not by background jobs
         self.hit_count = 0
         self.last_access = time.monotonic()
         self.created = self.last_access
@@ -108,27 +112,34 @@ class MatchResult:
 class Pin:
     """A hold on a node and its ancestors; ``release()`` is idempotent.
 
-    Internal building block of the public leases; always released in a ``finally``.
+    Internal building block of the public leases; always released in a ``finally``. ``job=True``
+    marks a background job's pin (a copy that ends by itself): an allocation short of room may wait
+    for those, never for a caller's.
     """
 
-    __slots__ = ("node", "_released")
+    __slots__ = ("node", "job", "_released")
 
-    def __init__(self, node: TreeNode) -> None:
+    def __init__(self, node: TreeNode, *, job: bool = False) -> None:
         self.node = node
+        self.job = job
         self._released = False
+        lease = 0 if job else 1
         cur: TreeNode | None = node
         while cur is not None:
             cur.lock_ref += 1
+            cur.lease_ref += lease
             cur = cur.parent
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
+        lease = 0 if self.job else 1
         cur: TreeNode | None = self.node
         while cur is not None:
             cur.lock_ref -= 1
-            assert cur.lock_ref >= 0, "pin released twice"
+            cur.lease_ref -= lease
+            assert cur.lock_ref >= 0 and cur.lease_ref >= 0, "pin released twice"
             cur = cur.parent
 
 
@@ -194,9 +205,11 @@ class HiRadixTree:
         prefix.backing_up = node.backing_up
         prefix.storing = node.storing
         prefix.stored = node.stored
+        prefix.store_failed = node.store_failed
         prefix.source = node.source
         # Every pin on ``node`` walks through its parent chain, so the new parent carries them all.
         prefix.lock_ref = node.lock_ref
+        prefix.lease_ref = node.lease_ref
         prefix.hit_count = node.hit_count
         prefix.last_access = node.last_access
         prefix.created = node.created

@@ -32,6 +32,7 @@ class TierStats:
     hit_tokens: int
     miss_tokens: int
     evicted_pages: int
+    lost_pages: int = 0  # pages that left this tier without reaching the one the write policy promised
 
     @property
     def capacity_bytes(self) -> int:
@@ -83,6 +84,15 @@ class CacheStats:
     prefetched_pages: int = 0  # pages brought from storage into host memory
     storage_backups: int = 0  # pages written host -> storage (backups and write-back spills)
     spills_to_storage: int = 0  # of those, pages written because host eviction needed them gone
+    short_retrieves: int = 0  # retrieves shorter than the memory tiers held (the device was full of leased pages)
+    short_retrieve_tokens: int = 0  # tokens those retrieves left out
+    eviction_waits: int = 0  # times an allocation waited for an in-flight copy down (backpressure)
+    eviction_wait_s: float = 0.0  # seconds spent in those waits
+
+    @property
+    def lost_pages(self) -> int:
+        """Pages that left memory without reaching the tier the write policy promised (should be 0)."""
+        return sum(t.lost_pages for t in self.tiers.values())
 
     @property
     def evictions(self) -> int:
@@ -106,6 +116,11 @@ class Counters:
     prefetched_pages: int = 0
     storage_backups: int = 0
     spills_to_storage: int = 0
+    short_retrieves: int = 0
+    short_retrieve_tokens: int = 0
+    eviction_waits: int = 0
+    eviction_wait_s: float = 0.0
+    lost_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     miss_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     evicted_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import anyio
@@ -46,15 +47,33 @@ from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.storage.tier import StorageTier
 from .evictor import Evictor
+from .residency import Residency
 from .jobs import BackupJob, JobTracker, LoadEntry, LoadJob, StorageJob
 from .prefetch import Prefetcher
 from .storage_writer import StorageWriter
 
-__all__ = ["CacheController"]
+__all__ = ["CacheController", "Insertion"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+@dataclass
+class Insertion:
+    """What ``insert_pages`` did with the pages it was given."""
+
+    nodes: list[TreeNode] = field(default_factory=list)  # new nodes, in order
+    duplicates: int = 0  # pages cached by another call meanwhile (freed)
+    dropped: int = 0  # pages that could not be attached (freed)
+    parent: TreeNode | None = None  # with unplaced pages: the host-only node they go under
+    at: int = 0  # the page index of the first unplaced page
+    unplaced_device: list[int] = field(default_factory=list)
+    unplaced_host: list[int] = field(default_factory=list)
+
+    @property
+    def stored(self) -> int:
+        return sum(nd.num_pages for nd in self.nodes)
+
 
 _BACKUP_BATCH = 128  # jobs merged into one device -> host copy
 _STORAGE_BATCH = 64  # jobs merged into one host -> storage write per tier
@@ -84,6 +103,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         prefetch_threshold_tokens: int = 256,
         storage_queue: int = 64,
         max_prefetches: int = 4,
+        alloc_wait_s: float = 30.0,
     ) -> None:
         self.tree = tree
         self.device = device
@@ -104,7 +124,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.prefetch_threshold_tokens = prefetch_threshold_tokens
         self.storage_queue = storage_queue
         self.max_prefetches = max_prefetches
+        self.alloc_wait_s = alloc_wait_s
         self.storage_writer = StorageWriter(tree, self.storage, self.counters, device.geometry.page_bytes)
+        self.residency = Residency(write_policy, has_host=host.num_pages > 0, has_storage=bool(self.storage))
         self.failure: WorkerFailedError | None = None
         self._open = False
         self._closed = False
@@ -130,10 +152,15 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.limiter = anyio.CapacityLimiter(self.io_threads)
         self.jobs = JobTracker()
         self.backup_jobs = JobTracker()
+        self.storage_jobs = JobTracker()
+        # Jobs whose end can let a page leave a tier: what an allocation may wait for.
+        self.frees_device = JobTracker()  # backups, load-backs, stores publishing
+        self.frees_host = JobTracker()  # storage writes, load-backs, stores publishing
         self.evictor = Evictor(
-            self.tree, self.device, self.host, self.engine, self.eviction_policy, self.write_policy,
-            self.counters, self.limiter, on_device_alloc=self.kick_eviction,
-            backups_in_flight=lambda: self.backup_jobs.count, wait_backups=self.backup_jobs.wait_idle,
+            self.tree, self.device, self.host, self.engine, self.eviction_policy, self.residency,
+            self.counters, self.limiter, frees_device=self.frees_device, frees_host=self.frees_host,
+            alloc_wait_s=self.alloc_wait_s,
+            on_device_alloc=self.kick_eviction,
             storage_writer=self.storage_writer if self.storage else None,
             on_host_copy=lambda node: self.host_copy_made(node, wait=False),
         )
@@ -141,7 +168,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             tree=self.tree, tiers=self.storage, policy=self.prefetch_policy,
             threshold_tokens=self.prefetch_threshold_tokens, max_concurrent=self.max_prefetches,
             alloc_host=lambda n: self.evictor.alloc_host(n, partial=True), free_host=self.host.allocator.free,
-            insert_host=lambda tb, first, pages: self.insert_pages(tb, first, [], pages),
+            insert_host=lambda tb, first, pages: self.insert_pages(tb, first, [], pages).nodes,
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
@@ -169,14 +196,58 @@ class CacheController(anyio.AsyncContextManagerMixin):
                     yield self
                 finally:
                     self._open = False
+                    deadline = anyio.current_time() + self.shutdown_timeout_s
+                    self.prefetcher.cancel_all()
+                    if self.failure is None:
+                        await self._drain_down(deadline)
                     # Closing the send sides lets each worker drain its queue and return (the
                     # backup worker closes the storage queue when it is done, since its backups
                     # feed it); the deadline bounds how long pending writes may take.
-                    self.prefetcher.cancel_all()
                     backup_send.close()
                     load_send.close()
                     evict_send.close()
-                    tg.cancel_scope.deadline = anyio.current_time() + self.shutdown_timeout_s
+                    tg.cancel_scope.deadline = deadline
+            self._count_unwritten()
+
+    async def _drain_down(self, deadline: float) -> None:
+        """Shutdown: write what the write policy promised to storage, within the deadline.
+
+        Memory is about to go: device pages owed to storage get host copies (their storage write
+        follows under write-through), then every host page still owed is written. Shielded, so a
+        cancelled caller still drains, and bounded by ``shutdown_timeout_s``.
+        """
+        if not self.storage:
+            return
+        with anyio.CancelScope(shield=True, deadline=deadline):
+            for node in list(self.tree.nodes()):
+                if node.device is not None and node.host is None and self.residency.owed_below(node):
+                    await self.submit_backup(node)
+            await self.backup_jobs.wait_idle()
+            for node in list(self.tree.nodes()):
+                if self.residency.owed_below(node) and self.storage_writer.wanted(node):
+                    await self.submit_storage_backup(node)
+            await self.storage_jobs.wait_idle()
+
+    def _count_unwritten(self) -> None:
+        """After the workers stopped: pages owed to storage that never got there are lost; say so once."""
+        if not self.storage:
+            return
+        lost = self.counters.lost_pages
+        device = host = 0
+        for node in self.tree.nodes():
+            if self.residency.owed_below(node):
+                if node.host is None:
+                    device += node.num_pages
+                else:
+                    host += node.num_pages
+        lost["device"] += device
+        lost["host"] += host
+        if device or host:
+            log.warning(
+                "hicache closed with %d pages the %s policy promised to storage not written there "
+                "(%d never reached the host, %d failed or ran out of shutdown_timeout_s=%.1fs)",
+                device + host, self.write_policy.name, device, host, self.shutdown_timeout_s,
+            )
 
     async def _supervise(
         self,
@@ -237,7 +308,8 @@ class CacheController(anyio.AsyncContextManagerMixin):
         node.backing_up = True
         self.jobs.add()
         self.backup_jobs.add()
-        return BackupJob(node, list(node.keys), list(node.device), Pin(node))
+        self.frees_device.add()
+        return BackupJob(node, list(node.keys), list(node.device), Pin(node, job=True))
 
     def _finish_backup(self, job: BackupJob, host_pages: list[int] | None) -> None:
         for covered, start, end in self.tree.covering(job.node, job.keys):
@@ -246,6 +318,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
                 covered.host = host_pages[start:end]
         job.pin.release()
         self.backup_jobs.done()
+        self.frees_device.done()
         self.jobs.done()
 
     async def submit_backup(self, node: TreeNode, *, wait: bool = True) -> bool:
@@ -321,27 +394,31 @@ class CacheController(anyio.AsyncContextManagerMixin):
             return False
         job = self.storage_writer.prepare(node)
         self.jobs.add()
+        self.storage_jobs.add()
+        self.frees_host.add()
         try:
             if wait:
                 await self._storage_send.send(job)
             else:
                 self._storage_send.send_nowait(job)
         except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._finish_storage(job, False)  # full, or shutting down: the pages stay in memory
+            self._finish_storage(job, None)  # full, or shutting down: the pages stay owed
             return False
         except BaseException:
-            self._finish_storage(job, False)
+            self._finish_storage(job, None)
             raise
         return True
 
-    def _finish_storage(self, job: StorageJob, stored: bool) -> None:
+    def _finish_storage(self, job: StorageJob, stored: bool | None) -> None:
         self.storage_writer.finish(job, stored)
+        self.storage_jobs.done()
+        self.frees_host.done()
         self.jobs.done()
 
     async def _storage_worker(self, receive: MemoryObjectReceiveStream[StorageJob]) -> None:
         async for job in receive:
             batch = _with_queued(job, receive, _STORAGE_BATCH)
-            results = [False] * len(batch)
+            results: list[bool] | list[None] = [None] * len(batch)  # None: cut off by the shutdown deadline
             try:
                 results = await self.storage_writer.write(batch)
             finally:
@@ -352,32 +429,36 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     def insert_pages(
         self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0
-    ) -> list[TreeNode]:
+    ) -> Insertion:
         """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
 
-        Synchronous, so nothing changes under it. Pages that another call cached meanwhile, or
-        that can no longer be attached, are freed. Returns the new nodes.
+        Synchronous, so nothing changes under it. Pages that another call cached meanwhile are
+        freed (``duplicates``); pages that cannot be attached after a gap are freed (``dropped``).
+        Device pages whose parent is host-only are not attached (device residency is
+        prefix-closed): they and the host pages after them come back in ``unplaced`` with the
+        node they go under, for ``place_unplaced`` to move to the host.
         """
         tree = self.tree
         pb = tree.page_bytes
-        full = len(tb) // pb
-        usable = max(0, min(len(dev) + len(host), full - first))
+        slots = [(True, p) for p in dev] + [(False, p) for p in host]  # (on device?, page)
+        usable = max(0, min(len(slots), len(tb) // pb - first))
+        self._free_slots(slots[usable:])
         match = tree.match(tb[: (first + usable) * pb], split=True)
         parent = match.path[-1] if match.path else tree.root
-        skip = match.pages - first
-        if skip < 0 or (len(dev) > skip and parent is not tree.root and parent.device is None):
-            # The pages before ours were dropped, or our device pages would sit under a host-only
-            # node: nothing can be attached without a gap or a broken invariant.
-            skip = len(dev) + len(host)
-        skip = min(skip, usable)
-        slots = [(True, p) for p in dev] + [(False, p) for p in host]  # (on device?, page)
-        kept, dropped = slots[skip:usable], slots[:skip] + slots[usable:]
-        self.device.allocator.free([p for on_dev, p in dropped if on_dev])
-        self.host.allocator.free([p for on_dev, p in dropped if not on_dev])
-        keep_dev = [p for on_dev, p in kept if on_dev]
-        keep_host = [p for on_dev, p in kept if not on_dev]
+        if match.pages < first:
+            # The pages before ours left the cache: ours cannot be attached without a gap.
+            self._free_slots(slots[:usable])
+            return Insertion(dropped=len(slots))
+        duplicates = match.pages - first
+        self._free_slots(slots[:duplicates])
+        rest = slots[duplicates:usable]
+        pos = first + duplicates
+        keep_dev = [p for on_dev, p in rest if on_dev]
+        keep_host = [p for on_dev, p in rest if not on_dev]
+        if keep_dev and parent is not tree.root and parent.device is None:
+            return Insertion(duplicates=duplicates, dropped=len(slots) - usable, parent=parent, at=pos,
+                             unplaced_device=keep_dev, unplaced_host=keep_host)
         nodes: list[TreeNode] = []
-        pos = first + skip
         for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
             if not pages:
                 continue
@@ -386,7 +467,61 @@ class CacheController(anyio.AsyncContextManagerMixin):
             node.priority = priority
             nodes.append(node)
             parent, pos = node, pos + len(pages)
-        return nodes
+        return Insertion(nodes=nodes, duplicates=duplicates, dropped=len(slots) - usable)
+
+    def _free_slots(self, slots: list[tuple[bool, int]]) -> None:
+        self.device.allocator.free([p for on_dev, p in slots if on_dev])
+        self.host.allocator.free([p for on_dev, p in slots if not on_dev])
+
+    @contextmanager
+    def publishing(self) -> Iterator[None]:
+        """A store between its allocation and its insertion: its pages will soon be evictable, so
+        an allocation short of room may wait for it (it never waits for room itself in here)."""
+        self.frees_device.add()
+        self.frees_host.add()
+        try:
+            yield
+        finally:
+            self.frees_device.done()
+            self.frees_host.done()
+
+    async def place_unplaced(self, tb: TokenBytes, result: Insertion, priority: int = 0) -> Insertion:
+        """Move device pages that ``insert_pages`` could not attach (under a host-only node) to the host.
+
+        Stores never drop pages while the host has room: a prefix that left the device while a
+        store was running puts the new pages on the host, below it, instead.
+        """
+        if not result.unplaced_device:
+            return result
+        assert result.parent is not None
+        moving, after = result.unplaced_device, result.unplaced_host
+        pin = Pin(result.parent)  # the node they go under must stay while we copy
+        host_pages: list[int] = []
+        try:
+            try:
+                host_pages = await self.evictor.alloc_host(len(moving), partial=True)
+                if host_pages:
+                    await anyio.to_thread.run_sync(
+                        self.engine.device_to_host, moving[: len(host_pages)], host_pages, limiter=self.limiter
+                    )
+            except BaseException:
+                self.host.allocator.free(host_pages)
+                self._free_slots([(True, p) for p in moving] + [(False, p) for p in after])
+                raise
+            self.device.allocator.free(moving)
+            self.counters.bytes_moved["device_to_host"] += len(host_pages) * self.device.geometry.page_bytes
+            if len(host_pages) < len(moving):
+                # The host is full of leased pages: what follows the gap cannot be attached.
+                self.host.allocator.free(after)
+                after = []
+            second = self.insert_pages(tb, result.at, [], host_pages + after, priority)
+        finally:
+            pin.release()
+        gap = len(moving) - len(host_pages) + len(result.unplaced_host) - len(after)
+        return Insertion(
+            nodes=second.nodes, duplicates=result.duplicates + second.duplicates,
+            dropped=result.dropped + second.dropped + gap,
+        )
 
     # -- load-back (host -> device) -------------------------------------------------------------
 
@@ -403,7 +538,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             host_pages,
             device_pages,
             self.device.geometry.num_layers,
-            Pin(pin_node),
+            Pin(pin_node, job=True),
         )
         offset = 0
         for nd in nodes:
@@ -411,6 +546,8 @@ class CacheController(anyio.AsyncContextManagerMixin):
             nd.loading = job
             offset += nd.num_pages
         self.jobs.add()
+        self.frees_device.add()
+        self.frees_host.add()
         try:
             # Shielded: other retrieves may already have joined this job (through node.loading),
             # so a cancelled submitter must not take it down with it. The wait is bounded by the
@@ -439,6 +576,8 @@ class CacheController(anyio.AsyncContextManagerMixin):
             self.counters.loads += len(job.device_pages)
             self.counters.bytes_moved["host_to_device"] += len(job.device_pages) * self.device.geometry.page_bytes
         job.pin.release()
+        self.frees_device.done()
+        self.frees_host.done()
         self.jobs.done()
         self.kick_eviction()
 

@@ -1,15 +1,22 @@
 """Page allocation with eviction, for both memory tiers.
 
-Device eviction takes device *leaves* (no device-resident child) in policy order, skipping anything
-pinned or in flight, so device residency stays prefix-closed. A victim without a host copy is
-spilled to host first when the write policy says so (write-back) or when it still has children
-(dropping it would orphan them); otherwise it is simply dropped. The spill copy runs in a worker
-thread, so the event loop is never blocked by eviction.
+Victims are chosen in eviction-policy order among unpinned nodes that no transfer is reading or
+filling; whether a victim may go is the residency rule's call (``residency.py``), the same for
+both tiers:
 
-Host eviction drops host-only leaves first (the node leaves the tree), then host copies of nodes
-that are still on the device. Under write-back with storage tiers, a host-only victim that was never
-written to storage is written first (a spill, batched, in worker threads); otherwise host eviction
-is bookkeeping only. Pages being written to storage (``storing``) are never evicted from the host.
+* the device takes device *leaves* (no device-resident child), so device residency stays
+  prefix-closed. A victim the write policy promised to the host and that has no host copy yet is
+  spilled there first (batched, one copy in a worker thread); one whose backup is in flight waits.
+* the host takes host-only leaves first (the node leaves the tree), then host copies of nodes that
+  are still on the device. A victim promised to storage and not written there yet is written first
+  (batched, through the storage writer); one whose write is queued or in flight waits; one whose
+  write failed goes, counted in ``lost_pages``.
+
+When no victim is left to take, allocation waits for in-flight jobs that may make room (copies down,
+load-backs, stores publishing their pages), one completion at a time, at most
+``controller.alloc_wait_s`` (``BoundedWait``): that wait is the backpressure a ``store`` feels from a
+slow lower tier, counted in ``eviction_waits``. It gives up when nothing is in flight any more:
+everything else is leased.
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from ..errors import CapacityError
 from ..io.transfer import TransferEngine
-from ..policies.base import EvictionPolicy, WritePolicy
+from ..policies.base import EvictionPolicy
 from ..radix_tree import HiRadixTree, Pin, TreeNode
 from ..stats import Counters
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
+from .jobs import BoundedWait, JobTracker
+from .residency import Residency, Verdict
 from .storage_writer import StorageWriter
 
 __all__ = ["Evictor"]
@@ -42,12 +50,14 @@ class Evictor:
         host: HostPool,
         engine: TransferEngine,
         eviction_policy: EvictionPolicy,
-        write_policy: WritePolicy,
+        residency: Residency,
         counters: Counters,
         limiter: anyio.CapacityLimiter,
+        *,
+        frees_device: JobTracker,
+        frees_host: JobTracker,
+        alloc_wait_s: float = 30.0,
         on_device_alloc: Callable[[], None] = lambda: None,
-        backups_in_flight: Callable[[], int] = lambda: 0,
-        wait_backups: Callable[[], Awaitable[None]] | None = None,
         storage_writer: StorageWriter | None = None,
         on_host_copy: Callable[[TreeNode], Awaitable[None]] | None = None,
     ) -> None:
@@ -56,12 +66,13 @@ class Evictor:
         self.host = host
         self.engine = engine
         self.policy = eviction_policy
-        self.write_policy = write_policy
+        self.residency = residency
         self.counters = counters
         self.limiter = limiter
+        self.frees_device = frees_device  # jobs whose end can make device pages evictable
+        self.frees_host = frees_host  # jobs whose end can make host pages evictable
+        self.alloc_wait_s = alloc_wait_s
         self.on_device_alloc = on_device_alloc
-        self.backups_in_flight = backups_in_flight
-        self.wait_backups = wait_backups or anyio.lowlevel.checkpoint
         self.storage_writer = storage_writer
         self.on_host_copy = on_host_copy
         self._device_lock = anyio.Lock()
@@ -69,23 +80,26 @@ class Evictor:
 
     # -- allocation -----------------------------------------------------------------------------
 
+    def _waiter(self, tracker: JobTracker) -> BoundedWait:
+        def waited(seconds: float) -> None:
+            self.counters.eviction_waits += 1
+            self.counters.eviction_wait_s += seconds
+
+        return BoundedWait(tracker, self.alloc_wait_s, waited)
+
     async def alloc_device(self, n: int, *, partial: bool = False) -> list[int]:
         """Allocate ``n`` device pages, evicting as needed.
 
-        With ``partial=True`` returns as many as could be freed (maybe none); otherwise raises
+        With ``partial=True`` returns as many as could be had (maybe none); otherwise raises
         ``CapacityError`` when ``n`` pages cannot be had.
         """
-        for _ in range(3):  # pages freed during a spill may be taken by another task; retry
+        waits = self._waiter(self.frees_device)
+        while n > self.device.free_pages:
             short = n - self.device.free_pages
-            if short <= 0:
-                break
             if await self.evict_device(short) >= short:
-                continue  # re-check: another task may have taken pages while we spilled
-            if not self.backups_in_flight():
-                break  # everything else is leased or in flight: give what there is
-            # Pages still being backed up become evictable (for free) once their copy is done:
-            # waiting for it beats truncating a retrieve or dropping a store.
-            await self.wait_backups()
+                continue  # re-check: another task may have taken pages meanwhile
+            if self.device.free_pages >= min(n, self._unleased("device")) or not await waits.next():
+                break  # the rest is leased, or nothing in flight can free it: give what there is
         k = min(n, self.device.free_pages) if partial else n
         pages = self.device.allocator.allocate(k)
         if pages:
@@ -93,165 +107,201 @@ class Evictor:
         return pages
 
     async def alloc_host(self, n: int, *, partial: bool = False) -> list[int]:
-        """Allocate ``n`` host pages, evicting as needed (write-back may spill to storage first)."""
-        short = n - self.host.free_pages
-        if short > 0:
-            await self.evict_host(short)
+        """Allocate ``n`` host pages, evicting as needed (writing promised pages to storage first)."""
+        waits = self._waiter(self.frees_host)
+        while n > self.host.free_pages:
+            short = n - self.host.free_pages
+            if await self.evict_host(short) >= short:
+                continue
+            if self.host.free_pages >= min(n, self._unleased("host")) or not await waits.next():
+                break
         k = min(n, self.host.free_pages) if partial else n
         return self.host.allocator.allocate(k)
 
+    def _unleased(self, tier: str) -> int:
+        """Pages of ``tier`` that callers do not hold: the most that waiting for jobs could free."""
+        pool = self.device if tier == "device" else self.host
+        held = sum(len(getattr(nd, tier) or ()) for nd in self.tree.nodes() if nd.lease_ref > 0)
+        return pool.num_pages - held
+
     # -- device ---------------------------------------------------------------------------------
 
-    def _device_candidate(self, node: TreeNode) -> bool:
-        return node.device is not None and node.evictable and not node.has_device_child()
+    @staticmethod
+    def _device_leaf(node: TreeNode) -> bool:
+        return (
+            node.device is not None and node.lock_ref == 0 and node.loading is None and not node.has_device_child()
+        )
+
+    def _push(self, heap: list[tuple[object, int, TreeNode]], node: TreeNode) -> None:
+        heapq.heappush(heap, (self.policy.key(node), node.id, node))
+
+    def _heap(self, wanted: Callable[[TreeNode], bool]) -> list[tuple[object, int, TreeNode]]:
+        heap = [(self.policy.key(nd), nd.id, nd) for nd in self.tree.nodes() if wanted(nd)]
+        heapq.heapify(heap)
+        return heap
 
     async def evict_device(self, n_pages: int) -> int:
-        """Free at least ``n_pages`` device pages if possible; return how many were freed."""
+        """Free at least ``n_pages`` device pages if the residency rule allows; return how many."""
         async with self._device_lock:
-            heap = [(self.policy.key(nd), nd.id, nd) for nd in self.tree.nodes() if self._device_candidate(nd)]
-            heapq.heapify(heap)
-            freed = 0
-            while freed < n_pages and heap:
-                _, _, node = heapq.heappop(heap)
-                if not self._device_candidate(node):
-                    continue  # changed while we awaited a spill
-                if node.host is None and (self.write_policy.spill_on_evict or node.children):
-                    await self._spill(node)
-                    if not self._device_candidate(node):
-                        continue  # leased or loaded into while spilling: keep it
-                    if node.host is None and node.children:
-                        continue  # host full of pinned pages: cannot drop a node with children
-                pages = node.device
-                assert pages is not None
-                node.device = None
-                self.device.allocator.free(pages)
-                freed += len(pages)
-                self.counters.evicted_pages["device"] += len(pages)
-                parent = node.parent
-                if node.host is None:
-                    self.tree.remove(node)
-                if parent is not None and parent is not self.tree.root and self._device_candidate(parent):
-                    heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
-            return freed
-
-    async def _spill(self, node: TreeNode) -> None:
-        """Copy ``node``'s device pages to new host pages (write-back, or to keep its children)."""
-        try:
-            host_pages = await self.alloc_host(node.num_pages)
-        except CapacityError:
-            log.debug("no host room to spill %r", node)
-            return
-        device_pages = list(node.device or [])
-        keys = list(node.keys)
-        pin = Pin(node)
-        node.backing_up = True
-        done = False
-        try:
-            await anyio.to_thread.run_sync(self.engine.device_to_host, device_pages, host_pages, limiter=self.limiter)
-            done = True
-        finally:
-            for covered, start, end in self.tree.covering(node, keys):
-                covered.backing_up = False
-                if done:
-                    covered.host = host_pages[start:end]
-            if not done:
-                self.host.allocator.free(host_pages)
-            pin.release()
-        self.counters.spills += len(host_pages)
-        self.counters.bytes_moved["device_to_host"] += len(host_pages) * self.device.geometry.page_bytes
-        if self.on_host_copy is not None:
-            for covered, _, _ in self.tree.covering(node, keys):
-                await self.on_host_copy(covered)
-
-    # -- host -----------------------------------------------------------------------------------
-
-    def _spills_to_storage(self, node: TreeNode) -> bool:
-        w = self.storage_writer
-        return w is not None and self.write_policy.spill_on_evict and w.wanted(node)
-
-    async def evict_host(self, n_pages: int) -> int:
-        """Drop at least ``n_pages`` host pages if possible; return how many were dropped."""
-        async with self._host_lock:
             freed = 0
             while freed < n_pages:
-                dropped, spilled = await self._evict_host_leaves(n_pages - freed)
+                dropped, spilled = await self._evict_device_round(n_pages - freed)
                 freed += dropped
                 if not dropped and not spilled:
                     break
-            if freed < n_pages:
-                freed += self._drop_host_mirrors(n_pages - freed)
+            self.counters.evicted_pages["device"] += freed
+            return freed
+
+    async def _evict_device_round(self, n_pages: int) -> tuple[int, bool]:
+        """Drop device leaves in policy order; spill those that must reach the host first, batched."""
+        heap = self._heap(self._device_leaf)
+        freed = 0
+        pending = 0
+        to_spill: list[TreeNode] = []
+        while freed + pending < n_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._device_leaf(node):
+                continue
+            verdict = self.residency.leave_device(node)
+            if verdict is Verdict.COPY:
+                to_spill.append(node)
+                pending += node.num_pages
+            elif verdict in (Verdict.FREE, Verdict.LOST):
+                parent = node.parent
+                freed += self._drop_device(node)
+                if parent is not None and parent is not self.tree.root and self._device_leaf(parent):
+                    self._push(heap, parent)
+        spilled = await self._spill(to_spill) if to_spill else 0
+        for node in to_spill:
+            if self._device_leaf(node) and self.residency.leave_device(node) in (Verdict.FREE, Verdict.LOST):
+                freed += self._drop_device(node)
+        return freed, spilled > 0
+
+    def _drop_device(self, node: TreeNode) -> int:
+        pages = node.device
+        assert pages is not None
+        node.device = None
+        self.device.allocator.free(pages)
+        if node.host is None:
+            if self.residency.owed_below(node):
+                self.counters.lost_pages["device"] += len(pages)  # its write failed: this was its last copy
+            self.tree.remove(node)
+        return len(pages)
+
+    async def _spill(self, nodes: list[TreeNode]) -> int:
+        """Copy the device pages of ``nodes`` to new host pages in one batch; pages copied.
+
+        Nodes that find no host room (the host is full of pinned pages) stay on the device.
+        """
+        placed: list[tuple[TreeNode, list[bytes], list[int], Pin]] = []
+        for node in nodes:
+            host_pages = await self.alloc_host(node.num_pages, partial=True)
+            if len(host_pages) < node.num_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
+                self.host.allocator.free(host_pages)
+                continue
+            node.backing_up = True
+            placed.append((node, list(node.keys), host_pages, Pin(node, job=True)))
+        if not placed:
+            return 0
+        src = [p for node, _, _, _ in placed for p in node.device or []]
+        dst = [p for _, _, pages, _ in placed for p in pages]
+        done = False
+        try:
+            await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
+            done = True
+        finally:
+            for node, keys, host_pages, pin in placed:
+                for covered, start, end in self.tree.covering(node, keys):
+                    covered.backing_up = False
+                    if done:
+                        covered.host = host_pages[start:end]
+                if not done:
+                    self.host.allocator.free(host_pages)
+                pin.release()
+        self.counters.spills += len(dst)
+        self.counters.bytes_moved["device_to_host"] += len(dst) * self.device.geometry.page_bytes
+        if self.on_host_copy is not None:
+            for node, keys, _, _ in placed:
+                for covered, _, _ in self.tree.covering(node, keys):
+                    await self.on_host_copy(covered)
+        return len(dst)
+
+    # -- host -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _host_leaf(node: TreeNode) -> bool:
+        return (
+            node.host is not None and node.device is None and not node.children
+            and node.lock_ref == 0 and node.loading is None
+        )
+
+    @staticmethod
+    def _host_mirror(node: TreeNode) -> bool:
+        """A host copy of a node that is still on the device (its second choice)."""
+        return node.host is not None and node.device is not None and node.lock_ref == 0 and node.loading is None
+
+    async def evict_host(self, n_pages: int) -> int:
+        """Drop at least ``n_pages`` host pages if the residency rule allows; return how many."""
+        async with self._host_lock:
+            freed = 0
+            for wanted in (self._host_leaf, self._host_mirror):
+                while freed < n_pages:
+                    dropped, spilled = await self._evict_host_round(n_pages - freed, wanted)
+                    freed += dropped
+                    if not dropped and not spilled:
+                        break
             self.counters.evicted_pages["host"] += freed
             return freed
 
-    @staticmethod
-    def _host_only_leaf(nd: TreeNode) -> bool:
-        return nd.host is not None and nd.device is None and not nd.children and nd.evictable and not nd.storing
-
-    async def _evict_host_leaves(self, n_pages: int) -> tuple[int, bool]:
-        """One round: drop host-only leaves in policy order; spill those that need it first.
-
-        Returns ``(pages dropped, whether anything was spilled)``; spilled nodes that became
-        evictable are dropped in the same round, and their parents are candidates for the next.
-        """
-        heap = [(self.policy.key(nd), nd.id, nd) for nd in self.tree.nodes() if self._host_only_leaf(nd)]
-        heapq.heapify(heap)
+    async def _evict_host_round(self, n_pages: int, wanted: Callable[[TreeNode], bool]) -> tuple[int, bool]:
+        """Drop ``wanted`` host copies in policy order; write those promised to storage first."""
+        heap = self._heap(wanted)
         freed = 0
-        to_spill: list[TreeNode] = []
         pending = 0
+        to_write: list[TreeNode] = []
         while freed + pending < n_pages and heap:
             _, _, node = heapq.heappop(heap)
-            if not self._host_only_leaf(node):
+            if not wanted(node):
                 continue
-            if self._spills_to_storage(node):
-                to_spill.append(node)
+            verdict = self.residency.leave_host(node)
+            if verdict is Verdict.COPY:
+                to_write.append(node)
                 pending += node.num_pages
-                continue
-            parent = node.parent
-            freed += self._drop_host_node(node)
-            if parent is not None and parent is not self.tree.root and self._host_only_leaf(parent):
-                heapq.heappush(heap, (self.policy.key(parent), parent.id, parent))
-        if to_spill:
-            await self._spill_to_storage(to_spill)
-            for node in to_spill:
-                if node.parent is not None and self._host_only_leaf(node):
-                    freed += self._drop_host_node(node)
-        return freed, bool(to_spill)
+            elif verdict in (Verdict.FREE, Verdict.LOST):
+                parent = node.parent
+                freed += self._drop_host(node, lost=verdict is Verdict.LOST)
+                if parent is not None and parent is not self.tree.root and wanted(parent):
+                    self._push(heap, parent)
+        written = await self._write_to_storage(to_write) if to_write else 0
+        for node in to_write:
+            if wanted(node):
+                verdict = self.residency.leave_host(node)
+                if verdict in (Verdict.FREE, Verdict.LOST):
+                    freed += self._drop_host(node, lost=verdict is Verdict.LOST)
+        return freed, written > 0 or bool(to_write)
 
-    def _drop_host_node(self, node: TreeNode) -> int:
+    def _drop_host(self, node: TreeNode, *, lost: bool) -> int:
         pages = node.host
         assert pages is not None
         node.host = None
         self.host.allocator.free(pages)
-        self.tree.remove(node)
+        if node.device is None:
+            if lost:
+                self.counters.lost_pages["host"] += len(pages)
+            self.tree.remove(node)
         return len(pages)
 
-    async def _spill_to_storage(self, nodes: list[TreeNode]) -> None:
-        """Write-back at the host -> storage boundary: write the victims before they are dropped."""
+    async def _write_to_storage(self, nodes: list[TreeNode]) -> int:
+        """Write the victims to storage before they are dropped (write-back, or a missed write-through)."""
         writer = self.storage_writer
         assert writer is not None
         jobs = [writer.prepare(nd) for nd in nodes]
-        results = [False] * len(jobs)
+        results: list[bool] | list[None] = [None] * len(jobs)  # None: cancelled, still owed
         try:
             results = await writer.write(jobs)
         finally:
             for job, ok in zip(jobs, results, strict=True):
                 writer.finish(job, ok)
-        self.counters.spills_to_storage += sum(len(j.keys) for j, ok in zip(jobs, results, strict=True) if ok)
-
-    def _drop_host_mirrors(self, n_pages: int) -> int:
-        """Second choice: host copies of pages still on the device (the device copy stays)."""
-        mirrored = [
-            (self.policy.key(nd), nd.id, nd)
-            for nd in self.tree.nodes()
-            if nd.host is not None and nd.device is not None and nd.evictable and not nd.storing
-        ]
-        heapq.heapify(mirrored)
-        freed = 0
-        while freed < n_pages and mirrored:
-            _, _, node = heapq.heappop(mirrored)
-            pages = node.host
-            assert pages is not None
-            node.host = None
-            self.host.allocator.free(pages)
-            freed += len(pages)
-        return freed
+        written = sum(len(j.keys) for j, ok in zip(jobs, results, strict=True) if ok)
+        self.counters.spills_to_storage += written
+        return written

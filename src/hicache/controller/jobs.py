@@ -6,13 +6,14 @@ neither tier can evict or free its pages in between; the pin is released in a ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
 
 from ..radix_tree import Pin, TreeNode
 
-__all__ = ["BackupJob", "LoadJob", "StorageJob", "JobTracker"]
+__all__ = ["BackupJob", "BoundedWait", "LoadJob", "StorageJob", "JobTracker"]
 
 
 @dataclass(eq=False)
@@ -76,12 +77,18 @@ class LoadJob:
 
 
 class JobTracker:
-    """Counts queued and running jobs; ``wait_idle()`` returns when the count is zero."""
+    """Counts queued and running jobs; ``wait_idle()`` returns when the count is zero.
+
+    ``wait_done()`` returns when the next job finishes: the eviction loop waits on it for pages
+    that an in-flight copy is about to make free (``BoundedWait``).
+    """
 
     def __init__(self) -> None:
         self.count = 0
+        self.completed = 0
         self._idle = anyio.Event()
         self._idle.set()
+        self._done = anyio.Event()
 
     def add(self) -> None:
         if self.count == 0:
@@ -91,9 +98,40 @@ class JobTracker:
     def done(self) -> None:
         self.count -= 1
         assert self.count >= 0
+        self.completed += 1
+        self._done.set()
+        self._done = anyio.Event()
         if self.count == 0:
             self._idle.set()
 
     async def wait_idle(self) -> None:
         while self.count:
             await self._idle.wait()
+
+    async def wait_done(self) -> None:
+        await self._done.wait()
+
+
+class BoundedWait:
+    """Waits, one job completion at a time, for jobs that may make room; never past a deadline.
+
+    Only jobs that finish without waiting for room themselves are tracked (copies, writes, stores
+    past their allocation), so two callers never wait on each other. ``next()`` is False when
+    nothing is in flight or the deadline has passed: then there is no room to be had.
+    """
+
+    def __init__(self, tracker: JobTracker, max_wait_s: float, on_wait: Callable[[float], None] | None = None) -> None:
+        self.tracker = tracker
+        self.on_wait = on_wait
+        self._deadline = anyio.current_time() + max_wait_s
+
+    async def next(self) -> bool:
+        left = self._deadline - anyio.current_time()
+        if self.tracker.count == 0 or left <= 0:
+            return False
+        started = anyio.current_time()
+        with anyio.move_on_after(left):
+            await self.tracker.wait_done()
+        if self.on_wait is not None:
+            self.on_wait(anyio.current_time() - started)
+        return True

@@ -170,10 +170,12 @@ class Prefetcher:
         return hit is not None and hit.tokens >= max(self.threshold_tokens, 1)
 
     async def lookup(
-        self, tb: TokenBytes, match: MatchResult, *, start: bool
+        self, tb: TokenBytes, match: MatchResult, *, start: bool, needed: bool = False
     ) -> tuple[StorageHit | None, Prefetch | None]:
         """Probe the tiers after ``match`` and, if ``start`` and worth it, start (or join) a prefetch.
 
+        ``needed``: a retrieve wants the pages now, so any amount is worth fetching (the threshold
+        only keeps ``lookup`` from starting background work for a few pages).
         The last node of ``match`` is pinned while the probe awaits, so the prefetch's anchor stays.
         """
         if not self.tiers:
@@ -182,7 +184,7 @@ class Prefetcher:
         pin = Pin(anchor) if anchor is not None else None
         try:
             hit = await self.probe(tb, match)
-            if hit is None or not (start and self.worth_it(hit)):
+            if hit is None or not (start and (needed or self.worth_it(hit))):
                 return hit, None
             return hit, self.start(tb, hit, anchor)
         finally:
@@ -234,7 +236,7 @@ class Prefetcher:
         if op is None:
             if self.policy.wait_s(self.threshold_tokens) <= 0:
                 return  # best effort: only what a lookup already started can help
-            _, op = await self.lookup(tb, match, start=True)
+            _, op = await self.lookup(tb, match, start=True, needed=True)
             if op is None:
                 return
         try:

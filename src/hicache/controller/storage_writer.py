@@ -1,7 +1,8 @@
 """Host -> storage writes, shared by the storage worker (backups) and host eviction (write-back spills).
 
 A job marks its node ``storing`` while the write is in flight, so host eviction keeps the pages it
-reads; the device copy may still be evicted meanwhile. Each tier is written from host memory (tiers
+reads; the device copy may still be evicted meanwhile. A write that fails marks the node
+``store_failed``: it is not tried again, and its pages may then leave the host, counted as lost. Each tier is written from host memory (tiers
 are written side by side, a lower tier is not fed from the one above it), after asking it which
 pages it already has: keys are chained, so ``exists`` says how many leading pages to skip.
 """
@@ -24,7 +25,10 @@ class StorageWriter:
         self.page_bytes = page_bytes
 
     def wanted(self, node: TreeNode) -> bool:
-        return bool(self.tiers) and node.host is not None and not node.stored and not node.storing
+        return (
+            bool(self.tiers) and node.host is not None and not node.stored and not node.storing
+            and not node.store_failed
+        )
 
     def prepare(self, node: TreeNode) -> StorageJob:
         """Claim ``node``'s host pages for a write; ``finish`` must follow (in a ``finally``)."""
@@ -33,11 +37,15 @@ class StorageWriter:
         assert node.host is not None
         return StorageJob(node, list(node.keys), list(node.host))
 
-    def finish(self, job: StorageJob, stored: bool) -> None:
+    def finish(self, job: StorageJob, stored: bool | None) -> None:
+        """End the job: ``True`` written, ``False`` the write failed, ``None`` it was cancelled
+        before it could tell (the pages stay owed, to be written again)."""
         for covered, _, _ in self.tree.covering(job.node, job.keys):
             covered.storing = False
             if stored:
                 covered.stored = True
+            elif stored is False:
+                covered.store_failed = True
 
     async def write(self, jobs: list[StorageJob]) -> list[bool]:
         """Write every job to every tier; per job, whether all tiers now hold all of its pages."""

@@ -41,6 +41,15 @@ class WritePolicy(ABC):
     def backup_on_hit(self, node: TreeNode) -> bool:
         """Back up a node after a hit (``node.hit_count`` already counts it)?"""
 
+    def promises_lower(self, node: TreeNode) -> bool:
+        """Must ``node``'s pages reach the next tier down before they may leave this one?
+
+        Write-through promises every page (its copy is made at once, so eviction is free);
+        selective write-through promises the hot pages; write-back promises every page, copied at
+        eviction. The eviction loop enforces the promise (``controller/residency.py``).
+        """
+        return self.spill_on_evict or self.backup_on_insert(node) or self.backup_on_hit(node)
+
     def store_on_host(self, node: TreeNode) -> bool:
         """Write a node's host pages to storage as soon as it has them (the host -> storage boundary)?
 

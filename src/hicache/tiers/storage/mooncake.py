@@ -36,13 +36,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import anyio
 import numpy as np
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
-from ...config import ByteSize
+from ...config import ByteSize, parse_size
 from ...errors import StorageBackendError
 from .base import BackendSettings, PageIO, StorageBackend
 from .lru_index import LruIndex
@@ -102,7 +102,8 @@ class MooncakeBackend(StorageBackend):
         protocol: str = "tcp"
         device_name: str = ""
         local_hostname: str = "127.0.0.1"
-        global_segment_size: ByteSize = 512 * 1024**2
+        # Memory this client lends the cluster; 0 mounts none (a pure client: pages live in others' segments).
+        global_segment_size: Annotated[int, BeforeValidator(lambda v: parse_size(v, minimum=0))] = 512 * 1024**2
         local_buffer_size: ByteSize = 64 * 1024**2
         key_prefix: str = Field(default="hicache", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
         #: Buffers at least this large that payload pieces are views of are registered (zero copy).

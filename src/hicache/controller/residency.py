@@ -1,0 +1,73 @@
+"""The one rule for residency: when a page may leave a memory tier.
+
+A page leaves a tier only when every tier the write policy promised it to holds it, or its write
+there failed and is counted as lost. The promise is the write policy's (``promises_lower``); this
+module turns it and a node's state into a verdict, and the eviction loop (``evictor.py``) is the
+only place that asks, for both tiers:
+
+* ``FREE``: it may leave now (the tier below holds it, or nothing was promised);
+* ``COPY``: promised below and not there yet, no copy in flight: copy it down first (a spill);
+* ``WAIT``: its copy down is queued or in flight: pick another victim, or wait for the copy;
+* ``LOST``: its write to storage failed: it may leave, and ``lost_pages`` counts it when this was
+  its last copy in memory (a host copy of a page still on the device is not lost yet).
+
+The device boundary leads to the host tier, the host boundary to every storage tier; the lowest
+tier there is (the host without storage tiers, the device without a host tier) may always drop.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from ..policies.base import WritePolicy
+from ..radix_tree import TreeNode
+
+__all__ = ["Residency", "Verdict"]
+
+
+class Verdict(Enum):
+    FREE = "free"
+    COPY = "copy"
+    WAIT = "wait"
+    LOST = "lost"
+
+
+class Residency:
+    def __init__(self, write_policy: WritePolicy, *, has_host: bool = True, has_storage: bool = False) -> None:
+        self.write_policy = write_policy
+        self.has_host = has_host  # no host tier (capacity 0): the device is the bottom
+        self.has_storage = has_storage
+
+    def promised(self, node: TreeNode) -> bool:
+        """Does the write policy promise ``node``'s pages to the tier below the one they are in?"""
+        return self.write_policy.promises_lower(node)
+
+    def leave_device(self, node: TreeNode) -> Verdict:
+        """May ``node``'s device pages be dropped? (The caller checked it is unpinned and not loading.)"""
+        if node.host is not None or not self.has_host:
+            return Verdict.FREE
+        if node.backing_up:
+            return Verdict.WAIT
+        # A node with children keeps a copy in memory: dropping it would orphan them.
+        if node.children:
+            return Verdict.COPY
+        if (self.has_storage and node.stored) or not self.promised(node):
+            return Verdict.FREE  # storage holds it already, or nothing was promised
+        # Its storage write failed already: a host copy could only be dropped later as lost.
+        return Verdict.LOST if self.has_storage and node.store_failed else Verdict.COPY
+
+    def leave_host(self, node: TreeNode) -> Verdict:
+        """May ``node``'s host pages be dropped? (The caller checked it is unpinned and not loading.)"""
+        if not self.has_storage or node.stored:
+            return Verdict.FREE
+        if node.storing:
+            return Verdict.WAIT
+        if not self.promised(node):
+            return Verdict.FREE
+        if node.store_failed:
+            return Verdict.LOST
+        return Verdict.COPY
+
+    def owed_below(self, node: TreeNode) -> bool:
+        """Pages the policy promised to storage that storage does not hold (what shutdown drains)."""
+        return self.has_storage and not node.stored and self.promised(node)
