@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -56,3 +56,29 @@ def make_kv(config: HiCacheConfig, num_tokens: int, seed: int = 0) -> torch.Tens
 def make_tokens(n: int, seed: int = 0, vocab: int = 50_000) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+# -- real servers shared by the whole session (tests keep apart by key prefix) ----------------
+
+if TYPE_CHECKING:
+    from .servers import ServerProcess
+
+
+@pytest.fixture(scope="session")
+def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One real valkey-server on loopback for the whole session; tests keep apart by key prefix."""
+    from .servers import start_valkey
+
+    server = start_valkey(tmp_path_factory.mktemp("valkey"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """One real mooncake_master on loopback for the session; tests keep apart by key prefix."""
+    from .mooncake_master import start_mooncake
+
+    server, settings = start_mooncake(tmp_path_factory.mktemp("mooncake"))
+    yield settings
+    server.stop()

@@ -1,10 +1,11 @@
 """Fault-injecting fakes, named as such: io backends that stall or fail, storage backends that fail,
-stall, crawl or fail every other write. Storage fakes are configured by class path, e.g.
+stall, crawl or fail every other write, and slowed wrappers around the real ones (pressure suite). Storage fakes are configured by class path, e.g.
 ``{"kind": "tests.fakes:SlowStorageBackend", "delay_s": 0.1}``."""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,8 +13,9 @@ import anyio
 import torch
 
 from hicache.io.kernel import KernelIOBackend
-from hicache.tiers.storage.base import PageIO, StorageBackend
+from hicache.tiers.storage.base import BackendSettings, PageIO, StorageBackend
 from hicache.tiers.storage.memory import MemoryBackend
+from hicache.tiers.storage.registry import resolve_backend
 
 
 class StallingIOBackend(KernelIOBackend):
@@ -121,3 +123,65 @@ class FlakyStorageBackend(MemoryBackend):
         if self.set_calls % 2 == 0:
             raise OSError("disk full")
         return await super()._set(keys, pages)
+
+
+# -- slowed real components, for the pressure suite -------------------------------------------
+
+
+class DelayingStorageBackend(StorageBackend):
+    """Fault fake: a real backend (``inner``: any tier entry, e.g. ``{"kind": "file", ...}``) behind a
+    link that adds ``delay_s`` per call and ``per_page_s`` per page: a lower tier slower than the
+    traffic. Every byte still goes to and comes from the real backend."""
+
+    kind = "delaying"
+
+    class Settings(BackendSettings):
+        inner: dict[str, Any]
+        delay_s: float = 0.01
+        per_page_s: float = 0.0
+
+    settings: Settings
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        inner = dict(self.settings.inner)
+        self.inner = resolve_backend(inner.pop("kind"))(**inner)
+
+    async def _lag(self, pages: int) -> None:
+        await anyio.sleep(self.settings.delay_s + self.settings.per_page_s * pages)
+
+    async def _open(self) -> None:
+        await self.inner.open()
+
+    async def _aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def _exists(self, keys: Sequence[bytes]) -> int:
+        await self._lag(0)
+        return await self.inner._exists(keys)
+
+    async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        await self._lag(len(keys))
+        return await self.inner._get(keys, into)
+
+    async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        await self._lag(len(keys))
+        return await self.inner._set(keys, pages)
+
+    async def _delete(self, keys: Sequence[bytes]) -> None:
+        await self.inner._delete(keys)
+
+    async def _clear(self) -> None:
+        await self.inner._clear()
+
+
+class SlowIOBackend(KernelIOBackend):
+    """Fault fake: the real kernel io backend, but every copy also sleeps ``delay_s`` in its worker
+    thread (a slow link between device and host), so backups, spills and load-backs stay in flight."""
+
+    def __init__(self, delay_s: float = 0.005) -> None:
+        self.delay_s = delay_s
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor, plan: Any, *, layer: int | None = None) -> None:
+        time.sleep(self.delay_s)
+        super().copy(src, dst, plan, layer=layer)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -23,29 +23,11 @@ from hicache.tiers.storage.memory import MemoryBackend
 from hicache.tiers.storage.mooncake import MooncakeBackend
 from hicache.tiers.storage.redis import RedisBackend
 
-from .mooncake_master import start_mooncake
-from .servers import ServerProcess, start_valkey
 
 PAYLOAD = 4096
 PAGE = HEADER_BYTES + PAYLOAD
 
 BackendFactory = Callable[..., StorageBackend]
-
-
-@pytest.fixture(scope="session")
-def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One real valkey-server on loopback for the whole session; tests keep apart by key prefix."""
-    server = start_valkey(tmp_path_factory.mktemp("valkey"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """One real mooncake_master on loopback for the session; tests keep apart by key prefix."""
-    server, settings = start_mooncake(tmp_path_factory.mktemp("mooncake"))
-    yield settings
-    server.stop()
 
 
 @pytest.fixture(params=["memory", "file", "redis", "mooncake"])
