@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hicache.soak.servers import mooncake_master_argv
 from tests.servers import ServerProcess, free_port, mooncake_master_binary, unavailable
 
 __all__ = ["start_mooncake", "mooncake_client_available"]
@@ -24,20 +25,6 @@ def mooncake_client_available() -> str | None:
     return None
 
 
-def master_argv(binary: str, rpc_port: int, http_port: int, metrics_port: int, lease_ms: int) -> list[str]:
-    return [
-        binary,
-        "--rpc_address=127.0.0.1",
-        f"--rpc_port={rpc_port}",
-        "--enable_http_metadata_server=true",
-        "--http_metadata_server_host=127.0.0.1",
-        f"--http_metadata_server_port={http_port}",
-        "--metrics_host=127.0.0.1",
-        f"--metrics_port={metrics_port}",
-        f"--default_kv_lease_ttl={lease_ms}",
-    ]
-
-
 def start_mooncake(workdir: Path, *, lease_ms: int = 5000, **overrides: Any) -> tuple[ServerProcess, dict[str, Any]]:
     """Start a master; return it and the backend settings (``overrides`` are merged into them)."""
     why = mooncake_client_available()
@@ -49,7 +36,7 @@ def start_mooncake(workdir: Path, *, lease_ms: int = 5000, **overrides: Any) -> 
         raise AssertionError("unreachable")
     rpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     server = ServerProcess(
-        master_argv(binary, rpc_port, http_port, metrics_port, lease_ms),
+        mooncake_master_argv(binary, rpc_port, http_port, metrics_port, lease_ms),
         rpc_port,
         Path(workdir) / f"mooncake-master-{rpc_port}.log",
     )

@@ -1,4 +1,4 @@
-"""The ``hicache`` command: ``hicache bench ...``, ``hicache demo`` and ``hicache config [PATH]``."""
+"""The ``hicache`` command: ``hicache bench ...``, ``hicache soak``, ``hicache demo`` and ``hicache config [PATH]``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="benchmarks with a real model: `hicache bench multiturn|long-context --help`")
     sub.add_parser("demo", help="a tour of the cache API on synthetic KV; `hicache demo --help` for options")
+    sub.add_parser("soak", help="random multi-client traffic checking every promise: `hicache soak --help`")
     show = sub.add_parser("config", help="validate a config file and print it with every default filled in")
     show.add_argument("path", nargs="?", default=None)
     argv = sys.argv[1:] if argv is None else argv
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["soak"]:
+        from .soak.cli import main as soak_main
+
+        return soak_main(argv[1:])
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 

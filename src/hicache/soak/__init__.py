@@ -1,0 +1,1 @@
+"""``hicache soak``: random multi-client traffic through a real config, checking every promise as it goes."""
