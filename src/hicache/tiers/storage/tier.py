@@ -6,6 +6,10 @@ per component and layer for ``layer_first``), so reads land in place and writes 
 no staging copy; it writes and checks headers in a worker thread (one hop per batch); and it turns
 every backend failure into a miss or an unrecorded write, counted, so a broken backend can never
 fail a request.
+
+Backends never see page keys: the codec names each page (``PageCodec.storage_keys``; with a tenant
+key, a keyed hash of the page key) and the tier hands those names down, and checks every page read
+against its name, so a page stored under another name, by another tenant or by a forger is a miss.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ class StorageTier:
         if not keys:
             return 0
         try:
-            found = await self.backend.exists(keys)
+            found = await self.backend.exists(self.codec.storage_keys(keys))
         except StorageError as exc:
             self._failed(exc)
             return 0
@@ -124,9 +128,10 @@ class StorageTier:
         batch, ``on_batch(first, good)`` may publish its ``good`` verified pages (indices
         ``first..first+good`` of ``host_pages``) and return False to stop. Pages past the returned
         count hold garbage and are the caller's to free. A page that fails verification is counted
-        as corrupt and deleted from the backend.
+        as corrupt and deleted from the backend, so a later ``store`` writes the page again.
         """
         assert len(keys) == len(host_pages)
+        keys = self.codec.storage_keys(keys)
         starts = range(0, len(keys), self.batch_pages)
         total = 0
         send, receive = anyio.create_memory_object_stream[tuple[int, list[PageIO], int]](1)
@@ -175,6 +180,7 @@ class StorageTier:
     async def store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored."""
         assert len(keys) == len(host_pages)
+        keys = self.codec.storage_keys(keys)
         total = 0
         for start in range(0, len(keys), self.batch_pages):
             k = keys[start : start + self.batch_pages]
