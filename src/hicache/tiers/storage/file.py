@@ -359,7 +359,11 @@ class _Folder:
         path = str(self.root / name)
         if path not in self.refused:
             self.refused.add(path)
-            if exc.errno == errno.ELOOP:
+            try:
+                is_link = stat.S_ISLNK(os.lstat(name, dir_fd=self.fd).st_mode)
+            except OSError:
+                is_link = False
+            if is_link or exc.errno == errno.ELOOP:  # O_NOFOLLOW | O_DIRECTORY on a link: ENOTDIR
                 why = "a symbolic link; refusing to follow it below the tier's root"
             else:
                 why = f"not a usable folder ({exc.strerror})"
@@ -467,7 +471,10 @@ def _read_pages(
                             assert sfd is not None  # the page was opened in it
                             _unlink_at(sfd, places[i][1])
                             return i, "size"
-                        os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
+                        try:
+                            os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
+                        except OSError:
+                            pass  # another user's file in a shared folder: read, but not ours to touch
                     finally:
                         os.close(fd)
                 return n, None
