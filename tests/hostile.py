@@ -14,15 +14,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from hicache import HiCacheConfig
+from hicache import HiCache, HiCacheConfig
 from hicache.containers import geometry_from_config
 from hicache.keys import Namespace, as_token_bytes, chain_keys
 from hicache.tiers.storage import HEADER_BYTES, PageIO, StorageBackend
 from hicache.tiers.storage.page_format import PageCodec
 from hicache.tiers.storage.registry import resolve_backend
 
-__all__ = ["Attacker", "codec_of", "open_fds", "storage_names", "tier_entry"]
+__all__ = ["Attacker", "codec_of", "open_fds", "read_back", "storage_names", "tier_entry"]
 
 KEY_A = "tenant-a-secret-key-0123456789"
 KEY_B = "tenant-b-secret-key-9876543210"
@@ -50,6 +51,17 @@ def storage_names(config: HiCacheConfig, tokens: list[int]) -> list[bytes]:
     ns = Namespace.from_config(config)
     keys = chain_keys(ns.digest, as_token_bytes(tokens), config.page_size)
     return codec_of(config).storage_keys(keys)
+
+
+async def read_back(cache: HiCache, tokens: list[int], kv: torch.Tensor) -> int:
+    """Retrieve ``tokens`` and check, bit for bit, what came back; the tokens served."""
+    await cache.lookup(tokens)
+    async with cache.retrieve(tokens) as view:
+        await view.wait_all()
+        for layer in range(kv.shape[1]):
+            k, v = view.layer(layer)
+            assert torch.equal(k, kv[0, layer, : view.tokens]) and torch.equal(v, kv[1, layer, : view.tokens])
+        return view.tokens
 
 
 def open_fds() -> int:

@@ -74,9 +74,8 @@ def test_url_passwords_are_masked_in_every_form_redis_py_accepts(url: str) -> No
     assert parse_url(url).get("password") == SECRET  # redis-py does use it as the password
     config = load_config(overrides={"tiers": {"storage": [{"kind": "redis", "url": url}]}}, env={})
     assert config.tiers.storage[0].options["url"] == url  # the value itself is intact
-    encoded = SECRET.replace("@", "%40")
     for text in (config.to_yaml(), repr(config), str(config), repr(config.tiers.storage[0])):
-        assert SECRET not in text and encoded not in text and "Zq9" not in text
+        assert not any(part in text for part in ("Zq9", "Secret", "w0rd")), text  # not even a part of it
         assert "**********" in text
 
 

@@ -30,8 +30,7 @@ from hicache.tiers.storage.file import FileBackend, _read_pages
 
 from .conftest import make_config, make_kv, make_tokens
 from .helpers import assert_consistent, push_to_storage
-from .hostile import open_fds, storage_names
-from .test_tenant_key import read_back
+from .hostile import open_fds, read_back, storage_names
 
 PAGES = 4
 

@@ -27,7 +27,7 @@ from hicache.tiers.storage.page_format import _CHECKSUM_AT, HEADER_BYTES, PageCo
 
 from .conftest import make_config, make_kv, make_tokens
 from .helpers import assert_consistent, push_to_storage
-from .hostile import KEY_A, KEY_B, Attacker, codec_of, storage_names, tier_entry
+from .hostile import KEY_A, KEY_B, Attacker, codec_of, read_back, storage_names, tier_entry
 from .mooncake_master import start_mooncake
 from .servers import ServerProcess, start_valkey
 
@@ -182,17 +182,6 @@ def tenant(entry: dict, key: str | None, **overrides: object) -> HiCacheConfig:
         8, 16, tiers={"storage": [entry]},
         policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": 4}, **extra, **overrides,
     )
-
-
-async def read_back(cache: HiCache, tokens: list[int], kv: torch.Tensor) -> int:
-    """Retrieve ``tokens`` and check, bit for bit, what came back; the tokens served."""
-    await cache.lookup(tokens)
-    async with cache.retrieve(tokens) as view:
-        await view.wait_all()
-        for layer in range(kv.shape[1]):
-            k, v = view.layer(layer)
-            assert torch.equal(k, kv[0, layer, : view.tokens]) and torch.equal(v, kv[1, layer, : view.tokens])
-        return view.tokens
 
 
 def tier_stats(cache: HiCache, entry: dict):
