@@ -178,20 +178,40 @@ class StorageTier:
             self._failed(exc)
 
     async def store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
-        """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored."""
+        """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored.
+
+        Headers (checksums or MACs) of the next batch are encoded in a worker thread while this
+        batch is written, so a MAC's CPU time hides behind the backend's I/O.
+        """
         assert len(keys) == len(host_pages)
         keys = self.codec.storage_keys(keys)
+        step = self.batch_pages
+        starts = range(0, len(keys), step)
         total = 0
-        for start in range(0, len(keys), self.batch_pages):
-            k = keys[start : start + self.batch_pages]
-            ios = await anyio.to_thread.run_sync(
-                self._encode, k, host_pages[start : start + self.batch_pages]
+        encoded: dict[int, list[PageIO]] = {}
+
+        async def encode(start: int) -> None:
+            encoded[start] = await anyio.to_thread.run_sync(
+                self._encode, keys[start : start + step], host_pages[start : start + step]
             )
-            try:
-                n = await self.backend.set(k, ios)
-                self._succeeded()
-            except StorageError as exc:
-                self._failed(exc)
+
+        if starts:
+            await encode(0)
+        for i, start in enumerate(starts):
+            k = keys[start : start + step]
+            ios = encoded.pop(start)
+            # The group waits for the next batch's encoding (it reads pinned host pages) before
+            # this returns, whatever the write did.
+            async with anyio.create_task_group() as tg:
+                if i + 1 < len(starts):
+                    tg.start_soon(encode, starts[i + 1])
+                try:
+                    n = await self.backend.set(k, ios)
+                    self._succeeded()
+                except StorageError as exc:
+                    self._failed(exc)
+                    n = -1
+            if n < 0:
                 return total
             total += n
             self.stored_pages += n
