@@ -146,7 +146,13 @@ class StorageTier:
                         self._succeeded()
                     except StorageError as exc:
                         self._failed(exc)
-                        n = 0
+                        n = -1
+                    if 0 <= n < len(k):
+                        # The page after the last one read was reported present: it is gone, or a
+                        # value of the wrong size sits under its name (torn, or planted there). Drop
+                        # it, so it cannot make a later store skip the page as already stored.
+                        await self._drop(k[n])
+                    n = max(n, 0)
                     await send.send((first, ios, n))
                     if n < len(k):
                         return
@@ -172,6 +178,9 @@ class StorageTier:
     async def _drop_corrupt(self, key: bytes, reason: str) -> None:
         self.backend.corrupt_pages += 1
         log.warning("storage tier %s: page %s failed verification (%s); dropped", self.name, key.hex(), reason)
+        await self._drop(key)
+
+    async def _drop(self, key: bytes) -> None:
         try:
             await self.backend.delete([key])
         except StorageError as exc:
