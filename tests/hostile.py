@@ -98,6 +98,20 @@ class Attacker:
         io = PageIO.of(bytearray(value[:HEADER_BYTES]), bytearray(value[HEADER_BYTES:]))
         assert await self.backend.set([name], [io]) == 1
 
+    async def write_raw(self, name: bytes, value: bytes) -> None:
+        """Store any bytes under ``name``, shorter than a header too (Mooncake: padded to one header)."""
+        kind = self.backend.kind
+        if kind == "file":
+            path = self.backend.path_of(name)  # type: ignore[attr-defined]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".planted")
+            tmp.write_bytes(value)
+            os.replace(tmp, path)
+        elif kind == "redis":
+            await self.backend._client.set(self.backend._key(name), value)  # type: ignore[attr-defined]
+        else:
+            await self.write(name, value.ljust(HEADER_BYTES, b"\0"))
+
     async def present(self, names: list[bytes]) -> int:
         """How many of ``names``, from the first, the store holds now (not what this client remembers)."""
         index = getattr(self.backend, "_index", None)
