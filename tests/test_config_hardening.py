@@ -55,6 +55,15 @@ def test_a_tenant_key_of_the_wrong_type_is_not_echoed() -> None:
     assert "tenant_key" in str(info.value) and str(number) not in everything_said(info.value)
 
 
+def test_a_yaml_syntax_error_does_not_quote_a_secret(tmp_path: Path) -> None:
+    """PyYAML's own error quotes the offending line; it must not reach the user (not even as a cause)."""
+    secret = "Hq4" + "Secret" + "Key0123456789"
+    path = write(tmp_path, f"page_size: 16\ntenant_key: {secret}\t }}:>-[*\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert "invalid YAML" in str(info.value) and secret not in everything_said(info.value)
+
+
 # Every form of URL that carries a password which redis-py reads (checked below against its parser).
 URLS = [
     f"redis://alice:{SECRET}@127.0.0.1:6379/0",

@@ -599,7 +599,8 @@ def _read_yaml(source: str) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{source}: invalid YAML{where}: {problem}") from exc
+        # Not chained: PyYAML's own message quotes the offending line, which may hold a secret.
+        raise ConfigError(f"{source}: invalid YAML{where}: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -171,7 +171,8 @@ def check(load: Any) -> None:
     else:
         shown = repr(config) + config.to_yaml()
         assert SECRET not in shown, shown
-    assert time.perf_counter() - start < 5.0, "load_config took too long"
+    # Bounded: the worst inputs (deep flow nesting) take ~0.6 s here; 15 s allows for a loaded machine.
+    assert time.perf_counter() - start < 15.0, "load_config took too long"
 
 
 @examples(150)
