@@ -26,7 +26,8 @@ import pytest
 
 from hicache import HiCache
 from hicache.tiers.storage import HEADER_BYTES, PageIO
-from hicache.tiers.storage.file import FileBackend, _read_pages
+from hicache.tiers.storage.file import FileBackend
+from hicache.tiers.storage.page_files import read_pages
 
 from .conftest import make_config, make_kv, make_tokens
 from .helpers import assert_consistent, push_to_storage
@@ -172,7 +173,7 @@ def _read_five_times(root: Path, keys: list[bytes], payload: int) -> dict:
     before, got = open_fds(), []
     for _ in range(5):
         into = [PageIO.of(np.zeros(HEADER_BYTES, np.uint8), np.zeros(payload, np.uint8)) for _ in keys]
-        got.append(_read_pages(root, set(), places, into, 64))
+        got.append(read_pages(root, set(), places, into, 64))
     return {"got": got, "leaked": open_fds() - before}
 
 

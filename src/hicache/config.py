@@ -23,7 +23,6 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import yaml

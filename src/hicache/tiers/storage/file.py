@@ -42,11 +42,9 @@ hop per file.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
-import secrets
 import stat
 import time
 from collections.abc import Sequence
@@ -60,21 +58,15 @@ from ...config import ByteSize
 from ...errors import ConfigError
 from .base import BackendSettings, PageIO, StorageBackend
 from .lru_index import LruIndex
+from .page_files import CORRUPT, SUFFIX, Folder, Refused, delete_pages, read_pages, unlink_at, write_pages
 
 __all__ = ["FileBackend"]
 
 log = logging.getLogger(__name__)
 
-_SUFFIX = ".kv"
+_SUFFIX = SUFFIX
 _STALE_TMP_S = 15 * 60  # a temporary file this old belongs to a writer that died
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_PAGE_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | _CLOEXEC
-_PAGE_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
-_SHARD = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
-_ROOT = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
 _VAR = re.compile(r"\$(?P<name>[A-Za-z_][A-Za-z0-9_]*)")  # $VAR; ${VAR} is load_config's (strict there)
-#: Why a page was not read: "missing" is a plain miss, every other reason a corrupt page.
-_CORRUPT = frozenset({"size", "special", "link", "unreadable", "refused"})
 
 
 def expand_path(path: str) -> Path:
@@ -169,13 +161,13 @@ class FileBackend(StorageBackend):
         """
         found: list[tuple[bytes, int, float]] = []
         now = time.time()
-        with _Folder(self.root, self._refused, create=True) as folder:
+        with Folder(self.root, self._refused, create=True) as folder:
             with os.scandir(folder.fd) as shards:
                 names = [s.name for s in shards if len(s.name) == 2]
             for shard in names:
                 try:
                     sfd = folder.shard(shard)
-                except _Refused:
+                except Refused:
                     continue
                 if sfd is None:
                     continue
@@ -187,13 +179,13 @@ class FileBackend(StorageBackend):
                             continue  # removed by another process meanwhile
                         if entry.name.endswith(".tmp"):
                             if remove or now - st.st_mtime > _STALE_TMP_S:
-                                _unlink_at(sfd, entry.name)
+                                unlink_at(sfd, entry.name)
                             continue
                         key = self._key_of(entry.name)
                         if key is None or key.hex()[:2] != shard or not stat.S_ISREG(st.st_mode):
                             continue
                         if remove:
-                            _unlink_at(sfd, entry.name)
+                            unlink_at(sfd, entry.name)
                         else:
                             found.append((key, st.st_size, st.st_mtime))
         return found
@@ -233,13 +225,13 @@ class FileBackend(StorageBackend):
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
         places = [self._place(k) for k in keys]
         done, problem = await anyio.to_thread.run_sync(
-            _read_pages, self.root, self._refused, places, into, self.settings.read_ahead
+            read_pages, self.root, self._refused, places, into, self.settings.read_ahead
         )
         for key, io in zip(keys[:done], into[:done], strict=True):
             self._remember(key, io.nbytes)
         if problem is not None:
             self._forget(keys[done])
-            if problem in _CORRUPT:
+            if problem in CORRUPT:
                 # Not a page of ours (torn write under fsync=never, another writer's file, a FIFO or a
                 # link planted there): counted; removed in the thread where that was safe.
                 self.corrupt_pages += 1
@@ -263,7 +255,7 @@ class FileBackend(StorageBackend):
             share = list(range(w, len(keys), workers))
             drop = [self._place(v) for v in victims] if w == 0 else []
             results = await anyio.to_thread.run_sync(
-                _write_pages, self.root, self._refused, [self._place(keys[i]) for i in share],
+                write_pages, self.root, self._refused, [self._place(keys[i]) for i in share],
                 [pages[i] for i in share], fsync, drop,
                 limiter=self._write_limiter,
             )
@@ -281,264 +273,8 @@ class FileBackend(StorageBackend):
     async def _delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:
             self._forget(key)
-        await anyio.to_thread.run_sync(_delete_pages, self.root, self._refused, [self._place(k) for k in keys])
+        await anyio.to_thread.run_sync(delete_pages, self.root, self._refused, [self._place(k) for k in keys])
 
     async def _clear(self) -> None:
         self._index.clear()
         await anyio.to_thread.run_sync(lambda: self._scan(remove=True))
-
-
-# -- worker-thread functions (no shared state: paths and buffers in, results out) -----------------
-
-
-class _Refused(Exception):
-    """A shard folder is a symbolic link (or not a folder): nothing in it is read or written."""
-
-
-class _Folder:
-    """The tier's root and the shard folders used in one call, as descriptors, closed on exit.
-
-    Shards are opened with ``O_NOFOLLOW`` relative to the root's descriptor, and pages relative to
-    their shard's, so no path below the root is resolved through a symbolic link.
-    """
-
-    def __init__(self, root: Path, refused: set[str], *, create: bool = False) -> None:
-        self.root = root
-        self.refused = refused
-        self.create = create
-        try:
-            self.fd = os.open(root, _ROOT)
-        except FileNotFoundError:
-            if not create:
-                raise
-            root.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(root, _ROOT)
-        self._shards: dict[str, int | None] = {}
-        self._bad: set[str] = set()
-
-    def __enter__(self) -> _Folder:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for fd in self._shards.values():
-            if fd is not None:
-                os.close(fd)
-        self._shards.clear()
-        os.close(self.fd)
-
-    def shard(self, name: str, *, create: bool = False) -> int | None:
-        """The shard's descriptor; ``None`` if it does not exist (and not ``create``); ``_Refused`` if a link."""
-        if name in self._bad:
-            raise _Refused(name)
-        fd = self._shards.get(name)
-        if fd is not None or (name in self._shards and not create):
-            return fd
-        try:
-            fd = os.open(name, _SHARD, dir_fd=self.fd)
-        except FileNotFoundError:
-            if not create:
-                self._shards[name] = None
-                return None
-            try:
-                os.mkdir(name, 0o755, dir_fd=self.fd)
-            except FileExistsError:
-                pass  # another writer made it (or planted something there: the open below decides)
-            except OSError as exc:
-                self._refuse(name, exc)
-            try:
-                fd = os.open(name, _SHARD, dir_fd=self.fd)
-            except OSError as exc:
-                self._refuse(name, exc)
-        except OSError as exc:
-            self._refuse(name, exc)
-        self._shards[name] = fd
-        return fd
-
-    def _refuse(self, name: str, exc: OSError) -> None:
-        self._bad.add(name)
-        path = str(self.root / name)
-        if path not in self.refused:
-            self.refused.add(path)
-            try:
-                is_link = stat.S_ISLNK(os.lstat(name, dir_fd=self.fd).st_mode)
-            except OSError:
-                is_link = False
-            if is_link or exc.errno == errno.ELOOP:  # O_NOFOLLOW | O_DIRECTORY on a link: ENOTDIR
-                why = "a symbolic link; refusing to follow it below the tier's root"
-            else:
-                why = f"not a usable folder ({exc.strerror})"
-            log.warning(
-                "file backend: %s is %s: its pages are misses and are not written (remove it to use it again)",
-                path, why,
-            )
-        raise _Refused(path) from exc
-
-
-def _unlink_at(dir_fd: int, name: str) -> None:
-    """Remove the entry ``name`` itself (a file, FIFO or link: never what a link points to)."""
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:  # a folder in a page's place, or no right to remove it: leave it
-        log.debug("file backend: cannot remove %s: %s", name, exc)
-
-
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-def _preadv(fd: int, buffers: list[memoryview]) -> int:
-    """Read the file from its start into ``buffers`` in order (any number of them); bytes read."""
-    done = 0
-    for i in range(0, len(buffers), _IOV_MAX):
-        group = buffers[i : i + _IOV_MAX]
-        n = os.preadv(fd, group, done)
-        done += n
-        if n != sum(len(b) for b in group):
-            break
-    return done
-
-
-def _writev(fd: int, buffers: list[memoryview]) -> None:
-    """Write ``buffers`` in order, all of them, or raise."""
-    for i in range(0, len(buffers), _IOV_MAX):
-        group = buffers[i : i + _IOV_MAX]
-        if os.writev(fd, group) != sum(len(b) for b in group):
-            raise OSError("short write")
-
-
-def _open_page(folder: _Folder, shard: str, name: str) -> int | str:
-    """A descriptor of the regular file ``shard/name``, or why there is none (see ``_CORRUPT``).
-
-    ``O_NONBLOCK``: opening a FIFO would otherwise wait for a writer, in a thread no timeout reaches.
-    Whatever is not a usable regular file is removed here when that is safe (the entry itself,
-    never a link's target; a folder in a page's place stays).
-    """
-    try:
-        sfd = folder.shard(shard)
-    except _Refused:
-        return "refused"
-    if sfd is None:
-        return "missing"
-    try:
-        fd = os.open(name, _PAGE_READ, dir_fd=sfd)
-    except FileNotFoundError:
-        return "missing"
-    except OSError as exc:
-        # A symbolic link (ELOOP), a socket (ENXIO), a file we may not read (EACCES, EPERM): none is
-        # a page we can use, and the entry itself is removed so a later store can write the page.
-        _unlink_at(sfd, name)
-        return {errno.ELOOP: "link", errno.ENXIO: "special"}.get(exc.errno or 0, "unreadable")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        _unlink_at(sfd, name)
-        return "special"
-    return fd
-
-
-def _read_pages(
-    root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int
-) -> tuple[int, str | None]:
-    """Read consecutive pages until one is missing or unusable; ``(count, problem)``.
-
-    Every descriptor opened here is closed before it returns, whatever happens.
-    """
-    fds: dict[int, int | str] = {}
-    n = len(places)
-    try:
-        with _Folder(root, refused) as folder:
-            try:
-
-                def announce(j: int) -> None:
-                    got = fds[j] = _open_page(folder, *places[j])
-                    if read_ahead and isinstance(got, int):
-                        os.posix_fadvise(got, 0, 0, os.POSIX_FADV_WILLNEED)  # start the disk read now
-
-                for j in range(min(max(read_ahead, 1), n)):
-                    announce(j)
-                for i in range(n):
-                    if read_ahead and i + read_ahead < n:
-                        announce(i + read_ahead)
-                    elif i not in fds:
-                        announce(i)
-                    fd = fds.pop(i)
-                    if isinstance(fd, str):
-                        return i, fd
-                    try:
-                        expected = into[i].nbytes
-                        if os.fstat(fd).st_size != expected or _preadv(fd, into[i].buffers()) != expected:
-                            sfd = folder.shard(places[i][0])
-                            assert sfd is not None  # the page was opened in it
-                            _unlink_at(sfd, places[i][1])
-                            return i, "size"
-                        try:
-                            os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
-                        except OSError:
-                            pass  # another user's file in a shared folder: read, but not ours to touch
-                    finally:
-                        os.close(fd)
-                return n, None
-            finally:
-                for fd in fds.values():
-                    if isinstance(fd, int):
-                        os.close(fd)
-    except FileNotFoundError:
-        return 0, "missing"  # no root (removed under us): nothing is stored
-
-
-def _write_pages(
-    root: Path, refused: set[str], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
-    drop: list[tuple[str, str]],
-) -> list[bool]:
-    """Write each page atomically (temporary file, fsync, rename) in its shard; delete ``drop`` first."""
-    results: list[bool] = []
-    with _Folder(root, refused, create=True) as folder:
-        _unlink_places(folder, drop)
-        shards: set[int] = set()
-        for (shard, name), io in zip(places, pages, strict=True):
-            try:
-                sfd = folder.shard(shard, create=True)
-            except _Refused:
-                results.append(False)
-                continue
-            assert sfd is not None  # created
-            tmp = f".{name.removesuffix(_SUFFIX)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            try:
-                fd = os.open(tmp, _PAGE_WRITE, 0o644, dir_fd=sfd)
-                try:
-                    _writev(fd, io.buffers())
-                    if fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                # rename replaces whatever entry is there (a forged page, a FIFO, a link) itself
-                os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
-            except OSError as exc:
-                log.warning("file backend: cannot write %s/%s: %s", shard, name, exc)
-                _unlink_at(sfd, tmp)
-                results.append(False)
-                continue
-            shards.add(sfd)
-            results.append(True)
-        if fsync:
-            for sfd in shards:  # make the renames durable
-                os.fsync(sfd)
-    return results
-
-
-def _unlink_places(folder: _Folder, places: list[tuple[str, str]]) -> None:
-    for shard, name in places:
-        try:
-            sfd = folder.shard(shard)
-        except _Refused:
-            continue
-        if sfd is not None:
-            _unlink_at(sfd, name)
-
-
-def _delete_pages(root: Path, refused: set[str], places: list[tuple[str, str]]) -> None:
-    try:
-        with _Folder(root, refused) as folder:
-            _unlink_places(folder, places)
-    except FileNotFoundError:
-        pass  # no root: nothing to delete
