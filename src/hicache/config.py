@@ -43,6 +43,9 @@ from pydantic_core import PydanticCustomError
 
 from hicache.errors import ConfigError
 
+from .config_yaml import MAX_YAML_BYTES, Budget, copy_tree, dotted, load_yaml, read_yaml, substitute
+from .redaction import SECRET_MASK, SECRET_NAME, mask_url, redacted
+
 if TYPE_CHECKING:
     import torch
 
@@ -206,51 +209,6 @@ class HostTierConfig(BaseModel):
     pin_memory: _PinMemory = "auto"
 
 
-SECRET_MASK = "**********"
-_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<netloc>[^/?#]*)(?P<rest>.*)", re.DOTALL)
-_QUERY_SECRET = re.compile(r"(?i)([?&;][^=&;#]*(?:pass|secret|token|auth|credential)[^=&;#]*=)[^&;#]*")
-_SECRET_NAME = re.compile(r"(?i)pass|secret|token|credential|tenant_key|auth")
-
-
-def mask_url(text: str) -> str:
-    """``text`` with every password a URL can carry replaced by the mask.
-
-    redis-py (``urllib.parse``) takes the password between the first ``:`` of the user info and
-    the *last* ``@`` before the host, so a password may contain ``@``; it also takes
-    ``?password=...`` from the query. User info without a ``:`` is masked whole (it is sometimes a
-    password written without the colon), and so is any query value whose name mentions a password,
-    secret, token or credential.
-    """
-    match = _URL.fullmatch(text)
-    if match is None:
-        return text
-    netloc = match["netloc"]
-    userinfo, at, host = netloc.rpartition("@")
-    if at:
-        user, colon, _password = userinfo.partition(":")
-        netloc = f"{user}:{SECRET_MASK}@{host}" if colon else f"{SECRET_MASK}@{host}"
-    rest = _QUERY_SECRET.sub(lambda m: m.group(1) + SECRET_MASK, match["rest"])
-    return match["scheme"] + netloc + rest
-
-
-def _redacted(value: Any, depth: int = 0) -> Any:
-    """A copy of ``value`` fit to print: secret-named entries and URL passwords masked."""
-    if depth > 8:
-        return "..."
-    if isinstance(value, Mapping):
-        return {
-            k: SECRET_MASK if isinstance(k, str) and _SECRET_NAME.search(k) and v is not None else _redacted(v, depth + 1)
-            for k, v in list(value.items())[:32]
-        }
-    if isinstance(value, list | tuple):
-        return [_redacted(v, depth + 1) for v in value[:32]]
-    if isinstance(value, SecretStr):
-        return SECRET_MASK
-    if isinstance(value, str) and "://" in value:
-        return mask_url(value)
-    return value
-
-
 class StorageTierConfig(BaseModel):
     """One storage tier below the host pool: ``kind`` picks the backend, the other keys configure it.
 
@@ -277,7 +235,7 @@ class StorageTierConfig(BaseModel):
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
             loc, message = _describe(err, secret=_is_secret(backend.Settings, tuple(err["loc"])))
-            raise _field_error(_dotted(loc), message) from None
+            raise _field_error(dotted(loc), message) from None
         return self
 
     @model_serializer(mode="wrap")
@@ -505,7 +463,7 @@ def load_config(
     data: dict[str, Any] = {}
     try:
         if source is not None:
-            data = _substitute(_read_yaml(source), environ, source, (), _Budget(source))
+            data = substitute(read_yaml(source), environ, source, (), Budget(source))
             labels.update((leaf, source) for leaf in _leaves(data, ()))
         data = _merge(data, _env_layer(environ, labels))
         if overrides is not None:
@@ -524,7 +482,7 @@ def load_config(
             loc = tuple(err["loc"])
             loc, message = _describe(err, secret=_is_secret(HiCacheConfig, loc))
             origin = _origin(loc, labels, source)
-            lines.append(f"{origin}: {_dotted(loc)}: {message}" if origin else f"{_dotted(loc)}: {message}")
+            lines.append(f"{origin}: {dotted(loc)}: {message}" if origin else f"{dotted(loc)}: {message}")
         raise ConfigError("\n".join(lines)) from exc
     except RecursionError:
         raise ConfigError("the settings nest too deeply") from None
@@ -538,142 +496,6 @@ def _origin(loc: tuple[Any, ...], labels: Mapping[tuple[Any, ...], str], source:
     # A cross-field error may point at a field nobody set; blame its siblings if one layer set them.
     siblings = {label for key, label in labels.items() if key[: len(loc) - 1] == loc[:-1]}
     return siblings.pop() if len(loc) > 1 and len(siblings) == 1 else source
-
-
-# Bounds on the work a YAML document can cause (a config file is a few KiB, a few levels deep).
-MAX_YAML_BYTES = 1024**2
-MAX_DEPTH = 32  # nesting of mappings and lists, aliases expanded
-MAX_VALUES = 100_000  # values after aliases are expanded (a 470-byte "billion laughs" makes 1e9)
-
-
-class _YamlTooDeep(Exception):
-    pass
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """``SafeLoader`` whose (recursive) composer refuses documents nested deeper than ``MAX_DEPTH``."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        self._depth += 1
-        try:
-            if self._depth > MAX_DEPTH:
-                raise _YamlTooDeep
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-def _load_yaml(text: str, source: str) -> Any:
-    """Parse one YAML document with bounded nesting; ``yaml.YAMLError`` if it is not YAML.
-
-    Too deep a document is a ``ConfigError`` naming ``source``.
-    """
-    loader = _BoundedLoader(text)
-    try:
-        return loader.get_single_data()
-    except (_YamlTooDeep, RecursionError):
-        raise ConfigError(f"{source}: nested more than {MAX_DEPTH} levels deep") from None
-    finally:
-        loader.dispose()
-
-
-def _read_yaml(source: str) -> dict[str, Any]:
-    try:
-        with open(source, "rb") as f:
-            raw = f.read(MAX_YAML_BYTES + 1)
-        text = raw.decode("utf-8")
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file not found: {source}") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source}: cannot read config file: {exc}") from exc
-    if len(raw) > MAX_YAML_BYTES:
-        raise ConfigError(f"{source}: larger than {MAX_YAML_BYTES // 1024} KiB; is this a config file?")
-    try:
-        data = _load_yaml(text, source)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        # Not chained: PyYAML's own message quotes the offending line, which may hold a secret.
-        raise ConfigError(f"{source}: invalid YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of settings, got {type(data).__name__}")
-    return data
-
-
-_VAR_RE = re.compile(r"\$\$\{|\$\{([^}]*)\}")
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class _Budget:
-    """Counts the values a document expands to and the mappings/lists open on the current path."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.values = 0
-        self.open: set[int] = set()
-
-    def enter(self, value: Any, where: tuple[Any, ...]) -> None:
-        self.values += 1
-        if self.values > MAX_VALUES:
-            raise ConfigError(
-                f"{self.source}: expands to more than {MAX_VALUES} values (YAML aliases repeated inside "
-                "each other?); write the settings out"
-            )
-        if len(where) > MAX_DEPTH:
-            raise ConfigError(f"{self.source}: {_dotted(where[:4])}...: nested more than {MAX_DEPTH} levels deep")
-        if id(value) in self.open:
-            raise ConfigError(f"{self.source}: {_dotted(where)}: a YAML alias refers to a value that contains it")
-
-
-def _copy_tree(value: Any, where: tuple[Any, ...], budget: _Budget, leaf: Any = None) -> Any:
-    """A tree copy of parsed YAML (aliases become copies), each leaf passed through ``leaf(value, where)``.
-
-    The copy is what makes aliases expensive, so ``budget`` bounds it (values, depth, cycles).
-    """
-    budget.enter(value, where)
-    if isinstance(value, dict | list):
-        budget.open.add(id(value))
-        try:
-            if isinstance(value, dict):
-                return {k: _copy_tree(v, (*where, k), budget, leaf) for k, v in value.items()}
-            return [_copy_tree(v, (*where, i), budget, leaf) for i, v in enumerate(value)]
-        finally:
-            budget.open.discard(id(value))
-    return value if leaf is None else leaf(value, where)
-
-
-def _substitute(value: Any, env: Mapping[str, str], source: str, where: tuple[Any, ...], budget: _Budget) -> Any:
-    """Expand ``${VAR}`` / ``${VAR:-default}`` in string values (``$${`` is a literal ``${``)."""
-    return _copy_tree(value, where, budget, lambda v, w: _expand(v, env, source, w))
-
-
-def _expand(value: Any, env: Mapping[str, str], source: str, where: tuple[Any, ...]) -> Any:
-    if not isinstance(value, str) or "${" not in value:
-        return value
-
-    def expand(match: re.Match[str]) -> str:
-        if match.group(1) is None:
-            return "${"
-        name, has_default, default = match.group(1).partition(":-")
-        if not _NAME_RE.fullmatch(name):
-            raise ConfigError(f"{source}: {_dotted(where)}: invalid variable reference {match.group(0)!r}")
-        if env.get(name):
-            return env[name]
-        if has_default or name in env:
-            return default
-        raise ConfigError(
-            f"{source}: {_dotted(where)}: environment variable {name} is not set "
-            f"(write ${{{name}:-default}} to give a default)"
-        )
-
-    return _VAR_RE.sub(expand, value)
 
 
 def _env_layer(env: Mapping[str, str], labels: dict[tuple[Any, ...], str]) -> dict[str, Any]:
@@ -723,12 +545,12 @@ def _parse_env_value(raw: str, name: str) -> Any:
     if len(raw) > MAX_YAML_BYTES:
         raise ConfigError(f"{where}: longer than {MAX_YAML_BYTES // 1024} KiB")
     try:
-        value = _load_yaml(raw, where)
+        value = load_yaml(raw, where)
     except yaml.YAMLError:
         return raw  # not YAML: the string itself
     if value is None:
         return raw
-    return _copy_tree(value, (), _Budget(where))
+    return copy_tree(value, (), Budget(where))
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -750,17 +572,10 @@ def _leaves(value: Any, prefix: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
         yield prefix
 
 
-def _dotted(loc: tuple[Any, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
 def _is_secret(model: Any, loc: tuple[Any, ...]) -> bool:
     """True when ``loc`` (in ``model``) is a secret field, or is named like one."""
     for part in loc:
-        if isinstance(part, str) and _SECRET_NAME.search(part):
+        if isinstance(part, str) and SECRET_NAME.search(part):
             return True
     annotation: Any = None
     for part in loc:
@@ -779,7 +594,7 @@ def _describe(err: Any, *, secret: bool = False) -> tuple[tuple[Any, ...], str]:
     if secret:
         got = f"a value of type {type(err.get('input')).__name__} (not shown: a secret)"
     else:
-        got = repr(_redacted(err.get("input")))
+        got = repr(redacted(err.get("input")))
         got = got if len(got) <= 80 else got[:77] + "..."
     if kind == "hicache_field":
         return (*loc, *ctx["field"].split(".")), err["msg"]

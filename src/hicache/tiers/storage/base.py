@@ -358,7 +358,7 @@ class StorageBackend(ABC):
 
 def _masked(exc: BaseException) -> str:
     """An exception's message with any URL password in it masked (client libraries quote URLs)."""
-    from ...config import mask_url
+    from ...redaction import mask_url
 
     text = str(exc)
     if "://" not in text:
