@@ -175,7 +175,7 @@ def check(load: Any) -> None:
     assert time.perf_counter() - start < 15.0, "load_config took too long"
 
 
-@examples(150)
+@examples(250)
 @given(text=documents, env=environments)
 def test_load_config_on_random_documents_and_environments(tmp_path_factory: Any, text: str, env: dict) -> None:
     path = Path(tmp_path_factory.mktemp("doc")) / "c.yaml"
@@ -183,7 +183,7 @@ def test_load_config_on_random_documents_and_environments(tmp_path_factory: Any,
     check(lambda: load_config(path, env=env))
 
 
-@examples(100)
+@examples(150)
 @given(env=environments, overrides=st.one_of(st.none(), near_valid))
 def test_load_config_on_random_environments_and_overrides(env: dict, overrides: dict | None) -> None:
     check(lambda: load_config(None, overrides, env=env))

@@ -179,7 +179,7 @@ async def run_example(entry: dict, keyed: bool, mutations: list[tuple[str, int]]
         assert open_fds() == fds, "descriptors leaked"
 
 
-@pytest.mark.parametrize(("kind", "n"), [("file", 30), ("redis", 20), ("mooncake", 3)])
+@pytest.mark.parametrize(("kind", "n"), [("file", 50), ("redis", 30), ("mooncake", 3)])
 def test_hostile_store_contents(stores: dict, kind: str, n: int) -> None:
     entry = entry_for(kind, stores)
 
