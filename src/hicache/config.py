@@ -10,7 +10,10 @@ layers (later wins, nested mappings deep-merged, lists replaced whole):
 4. an ``overrides`` mapping from the caller.
 
 Every failure is a ``ConfigError`` whose message says where the bad value came from (file,
-environment variable or overrides) and names each offending field as a dotted path.
+environment variable or overrides) and names each offending field as a dotted path. Secret fields
+(``tenant_key``, a backend's passwords, the password inside a URL) never appear in an error, a
+repr or a dump. The YAML reader bounds its work (nesting depth, alias expansion, file size), so a
+hostile file is a ``ConfigError``, never a hang or a ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import yaml
@@ -33,6 +35,7 @@ from pydantic import (
     PlainSerializer,
     SecretStr,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -40,13 +43,16 @@ from pydantic_core import PydanticCustomError
 
 from hicache.errors import ConfigError
 
+from .config_yaml import MAX_YAML_BYTES, Budget, copy_tree, dotted, load_yaml, read_yaml, substitute
+from .redaction import SECRET_MASK, SECRET_NAME, mask_url, redacted
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ENV_PREFIX", "ByteSize", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
+    "ENV_PREFIX", "SECRET_MASK", "ByteSize", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
     "IOConfig", "ModelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
-    "format_size", "load_config", "parse_size",
+    "format_size", "load_config", "mask_url", "parse_size",
 ]
 
 ENV_PREFIX = "HICACHE_"
@@ -56,6 +62,7 @@ _DECIMAL = (("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("KB", 1000))
 _UNITS = {"": 1, "b": 1, **{name.lower(): unit for name, unit in _BINARY + _DECIMAL}}
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
 _SIZE_HINT = "expected bytes or a string like '512MiB'"
+MAX_SIZE = 2**60  # 1 EiB: larger byte counts are typos (1e30) and overflow the pools' page counts
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -80,6 +87,8 @@ def parse_size(value: object, *, minimum: int = 1) -> int:
         raise ConfigError(f"invalid size {value!r} (not a whole number of bytes)")
     if amount < minimum:
         raise ConfigError(f"invalid size {value!r} (must be at least {minimum} byte{'s' if minimum != 1 else ''})")
+    if amount > MAX_SIZE:
+        raise ConfigError(f"invalid size {value!r} (at most 1EiB)")
     return int(amount)
 
 
@@ -113,6 +122,13 @@ def _parse_pin_memory(value: object) -> object:
     raise ValueError(f"expected 'auto', true or false, got {value!r}")
 
 
+def _no_bool(value: object) -> object:
+    """``true`` is not a count: YAML booleans would otherwise pass as 1 and 0."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a whole number, got {value!r}")
+    return value
+
+
 def _field_error(field: str, message: str) -> PydanticCustomError:
     """A cross-field error that still points at one field (``loc`` only names the model)."""
     return PydanticCustomError("hicache_field", message, {"field": field})
@@ -125,8 +141,13 @@ _HostSize = Annotated[
     int, BeforeValidator(lambda v: parse_size(v, minimum=0)), PlainSerializer(format_size, when_used="json")
 ]
 _Device = Annotated[str, AfterValidator(_check_device)]
+_Int = Annotated[int, BeforeValidator(_no_bool)]
+MAX_PAGE_SIZE = 2**20  # tokens per page
+MAX_POOL_PAGES = 2**31  # pages in the device or host pool (its allocator keeps a flag per page)
+MIN_TENANT_KEY_CHARS = 16
 _PinMemory = Annotated[Literal["auto"] | bool, BeforeValidator(_parse_pin_memory)]
-_FROZEN = ConfigDict(extra="forbid", frozen=True)
+# hide_input_in_errors: a chained ValidationError (a traceback) must not print a secret either.
+_FROZEN = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
 class ModelConfig(BaseModel):
@@ -135,9 +156,9 @@ class ModelConfig(BaseModel):
     model_config = _FROZEN
 
     name: str = Field(default="example-model", min_length=1)
-    num_layers: int = Field(default=8, ge=1)
-    num_kv_heads: int = Field(default=2, ge=1)
-    head_dim: int = Field(default=64, ge=1)
+    num_layers: _Int = Field(default=8, ge=1)
+    num_kv_heads: _Int = Field(default=2, ge=1)
+    head_dim: _Int = Field(default=64, ge=1)
     dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
     attention: Literal["mha", "mla"] = "mha"
     revision: str = ""
@@ -188,10 +209,6 @@ class HostTierConfig(BaseModel):
     pin_memory: _PinMemory = "auto"
 
 
-SECRET_MASK = "**********"
-_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@/]*@")  # the password of scheme://user:password@host
-
-
 class StorageTierConfig(BaseModel):
     """One storage tier below the host pool: ``kind`` picks the backend, the other keys configure it.
 
@@ -200,7 +217,7 @@ class StorageTierConfig(BaseModel):
     against that backend's ``Settings``, so a typo is an error naming the field.
     """
 
-    model_config = ConfigDict(extra="allow", frozen=True)
+    model_config = ConfigDict(extra="allow", frozen=True, hide_input_in_errors=True)
 
     kind: str = Field(min_length=1)
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
@@ -216,8 +233,9 @@ class StorageTierConfig(BaseModel):
         try:
             backend.Settings.model_validate(self.model_extra or {})
         except ValidationError as exc:
-            loc, message = _describe(exc.errors(include_url=False)[0])
-            raise _field_error(_dotted(loc), message) from None
+            err = exc.errors(include_url=False)[0]
+            loc, message = _describe(err, secret=_is_secret(backend.Settings, tuple(err["loc"])))
+            raise _field_error(dotted(loc), message) from None
         return self
 
     @model_serializer(mode="wrap")
@@ -230,7 +248,7 @@ class StorageTierConfig(BaseModel):
                     data[name] = SECRET_MASK
             for name, value in data.items():
                 if isinstance(value, str) and "://" in value:
-                    data[name] = _URL_PASSWORD.sub(r"\1" + SECRET_MASK + "@", value)
+                    data[name] = mask_url(value)
         return data
 
     def __repr_args__(self) -> Any:
@@ -239,7 +257,7 @@ class StorageTierConfig(BaseModel):
             if name in secret and value is not None:
                 value = SECRET_MASK
             elif isinstance(value, str) and "://" in value:
-                value = _URL_PASSWORD.sub(r"\1" + SECRET_MASK + "@", value)
+                value = mask_url(value)
             yield name, value
 
     def _secret_fields(self) -> set[str]:
@@ -303,10 +321,10 @@ class PoliciesConfig(BaseModel):
     model_config = _FROZEN
 
     write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
-    write_threshold: int = Field(default=2, ge=1)
+    write_threshold: _Int = Field(default=2, ge=1)
     eviction: Literal["lru", "lfu", "fifo", "priority"] = "lru"
     prefetch: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
-    prefetch_threshold_tokens: int = Field(default=256, ge=0)
+    prefetch_threshold_tokens: _Int = Field(default=256, ge=0)
     prefetch_timeout: PrefetchTimeoutConfig = Field(default_factory=PrefetchTimeoutConfig)
 
 
@@ -324,14 +342,14 @@ class ControllerConfig(BaseModel):
 
     model_config = _FROZEN
 
-    backup_queue: int = Field(default=64, ge=1)
-    load_queue: int = Field(default=64, ge=1)
+    backup_queue: _Int = Field(default=64, ge=1)
+    load_queue: _Int = Field(default=64, ge=1)
     high_watermark: float = Field(default=0.95, gt=0, le=1)
     low_watermark: float = Field(default=0.85, ge=0, lt=1)
     shutdown_timeout_s: float = Field(default=10.0, gt=0)
-    io_threads: int = Field(default=2, ge=1)
-    storage_queue: int = Field(default=64, ge=1)
-    max_prefetches: int = Field(default=4, ge=1)
+    io_threads: _Int = Field(default=2, ge=1)
+    storage_queue: _Int = Field(default=64, ge=1)
+    max_prefetches: _Int = Field(default=4, ge=1)
     storage_batch_bytes: ByteSize = 64 * 1024**2
     # How long an allocation may wait for in-flight copies to make room (backpressure) before a
     # store places fewer pages or a retrieve serves a shorter prefix.
@@ -353,8 +371,11 @@ class HiCacheConfig(BaseModel):
     model_config = _FROZEN
 
     model: ModelConfig = Field(default_factory=ModelConfig)
-    page_size: int = Field(default=64, ge=1)
+    page_size: _Int = Field(default=64, ge=1, le=MAX_PAGE_SIZE)
     tenant_salt: str = ""
+    #: The tenant's secret: keys page names and a MAC over every page in storage (see the README's
+    #: "Security model"). Empty or unset: no key (pages carry an unkeyed checksum, integrity only).
+    tenant_key: SecretStr | None = None
     tiers: TiersConfig = Field(default_factory=TiersConfig)
     policies: PoliciesConfig = Field(default_factory=PoliciesConfig)
     io: IOConfig = Field(default_factory=IOConfig)
@@ -365,6 +386,51 @@ class HiCacheConfig(BaseModel):
         """Bytes one page of KV occupies in a tier (all layers, K and V where present)."""
         m = self.model
         return m.kv_components * m.num_layers * self.page_size * m.num_kv_heads * m.head_dim * m.itemsize
+
+    @field_validator("tenant_key", mode="before")
+    @classmethod
+    def _tenant_key_text(cls, value: object) -> object:
+        if value is None or isinstance(value, SecretStr):
+            value = None if value is None else value.get_secret_value()
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise ValueError("must be a string (quote it in YAML); the value is not shown")
+        if value == SECRET_MASK:
+            raise ValueError(
+                "is the mask hicache prints in place of a secret, not a key: set the real key "
+                "(e.g. HICACHE_TENANT_KEY)"
+            )
+        if len(value) < MIN_TENANT_KEY_CHARS:
+            raise ValueError(
+                f"must be at least {MIN_TENANT_KEY_CHARS} characters (the value is not shown); make one with "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _pools_hold_pages(self) -> HiCacheConfig:
+        page = self.page_bytes
+        device, host = self.tiers.device.capacity, self.tiers.host.capacity
+        if device < page:
+            raise _field_error(
+                "tiers.device.capacity",
+                f"must hold at least one page ({format_size(page)}: page_size x layers x heads x head_dim x "
+                f"dtype bytes, K and V), got {format_size(device)}: raise it or lower page_size",
+            )
+        if 0 < host < page:
+            raise _field_error(
+                "tiers.host.capacity",
+                f"must be 0 (no host tier) or hold at least one page ({format_size(page)}), got {format_size(host)}",
+            )
+        for name, capacity in (("device", device), ("host", host)):
+            if capacity // page > MAX_POOL_PAGES:
+                raise _field_error(
+                    f"tiers.{name}.capacity",
+                    f"holds {capacity // page} pages, more than a pool indexes ({MAX_POOL_PAGES}): "
+                    "lower it or raise page_size",
+                )
+        return self
 
     @model_validator(mode="after")
     def _storage_needs_host(self) -> HiCacheConfig:
@@ -398,25 +464,31 @@ def load_config(
     source = None if path is None else os.fspath(path)
     labels: dict[tuple[Any, ...], str] = {}  # leaf path -> where its value came from
     data: dict[str, Any] = {}
-    if source is not None:
-        data = _substitute(_read_yaml(source), environ, source, ())
-        labels.update((leaf, source) for leaf in _leaves(data, ()))
-    data = _merge(data, _env_layer(environ, labels))
-    if overrides is not None:
-        if not isinstance(overrides, Mapping):
-            raise ConfigError(f"overrides: expected a mapping of settings, got {type(overrides).__name__}")
-        layer = _merge({}, overrides)  # also turns nested Mappings into dicts
-        labels.update((leaf, "overrides") for leaf in _leaves(layer, ()))
-        data = _merge(data, layer)
+    try:
+        if source is not None:
+            data = substitute(read_yaml(source), environ, source, (), Budget(source))
+            labels.update((leaf, source) for leaf in _leaves(data, ()))
+        data = _merge(data, _env_layer(environ, labels))
+        if overrides is not None:
+            if not isinstance(overrides, Mapping):
+                raise ConfigError(f"overrides: expected a mapping of settings, got {type(overrides).__name__}")
+            layer = _merge({}, overrides)  # also turns nested Mappings into dicts
+            labels.update((leaf, "overrides") for leaf in _leaves(layer, ()))
+            data = _merge(data, layer)
+    except RecursionError:  # a self-referencing mapping passed as overrides
+        raise ConfigError("the settings nest too deeply (a mapping that contains itself?)") from None
     try:
         return HiCacheConfig.model_validate(data)
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):
-            loc, message = _describe(err)
+            loc = tuple(err["loc"])
+            loc, message = _describe(err, secret=_is_secret(HiCacheConfig, loc))
             origin = _origin(loc, labels, source)
-            lines.append(f"{origin}: {_dotted(loc)}: {message}" if origin else f"{_dotted(loc)}: {message}")
+            lines.append(f"{origin}: {dotted(loc)}: {message}" if origin else f"{dotted(loc)}: {message}")
         raise ConfigError("\n".join(lines)) from exc
+    except RecursionError:
+        raise ConfigError("the settings nest too deeply") from None
 
 
 def _origin(loc: tuple[Any, ...], labels: Mapping[tuple[Any, ...], str], source: str | None) -> str | None:
@@ -427,58 +499,6 @@ def _origin(loc: tuple[Any, ...], labels: Mapping[tuple[Any, ...], str], source:
     # A cross-field error may point at a field nobody set; blame its siblings if one layer set them.
     siblings = {label for key, label in labels.items() if key[: len(loc) - 1] == loc[:-1]}
     return siblings.pop() if len(loc) > 1 and len(siblings) == 1 else source
-
-
-def _read_yaml(source: str) -> dict[str, Any]:
-    try:
-        text = Path(source).read_text(encoding="utf-8")
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file not found: {source}") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source}: cannot read config file: {exc}") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(f"{source}: invalid YAML{where}: {problem}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of settings, got {type(data).__name__}")
-    return data
-
-
-_VAR_RE = re.compile(r"\$\$\{|\$\{([^}]*)\}")
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def _substitute(value: Any, env: Mapping[str, str], source: str, where: tuple[Any, ...]) -> Any:
-    """Expand ``${VAR}`` / ``${VAR:-default}`` in string values (``$${`` is a literal ``${``)."""
-    if isinstance(value, dict):
-        return {k: _substitute(v, env, source, (*where, k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_substitute(v, env, source, (*where, i)) for i, v in enumerate(value)]
-    if not isinstance(value, str) or "${" not in value:
-        return value
-
-    def expand(match: re.Match[str]) -> str:
-        if match.group(1) is None:
-            return "${"
-        name, has_default, default = match.group(1).partition(":-")
-        if not _NAME_RE.fullmatch(name):
-            raise ConfigError(f"{source}: {_dotted(where)}: invalid variable reference {match.group(0)!r}")
-        if env.get(name):
-            return env[name]
-        if has_default or name in env:
-            return default
-        raise ConfigError(
-            f"{source}: {_dotted(where)}: environment variable {name} is not set "
-            f"(write ${{{name}:-default}} to give a default)"
-        )
-
-    return _VAR_RE.sub(expand, value)
 
 
 def _env_layer(env: Mapping[str, str], labels: dict[tuple[Any, ...], str]) -> dict[str, Any]:
@@ -496,7 +516,7 @@ def _env_layer(env: Mapping[str, str], labels: dict[tuple[Any, ...], str]) -> di
                 "(separate names with double underscores, e.g. HICACHE_TIERS__HOST__CAPACITY)"
             )
         raw = env[name]
-        value = raw if _wants_string(path) else _parse_env_value(raw)
+        value = raw if _wants_string(path) else _parse_env_value(raw, name)
         node = layer
         for part in path[:-1]:
             if not isinstance(node.get(part), dict):
@@ -515,17 +535,25 @@ def _wants_string(path: tuple[str, ...]) -> bool:
         if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
             return False
         annotation = model = model.model_fields[part].annotation
-    if annotation is str:
+    if annotation in (str, SecretStr):
         return True
-    return get_origin(annotation) is Literal and all(isinstance(a, str) for a in get_args(annotation))
+    args = get_args(annotation)
+    if args and all(a in (str, SecretStr, type(None)) for a in args):  # str | None, SecretStr | None
+        return True
+    return get_origin(annotation) is Literal and all(isinstance(a, str) for a in args)
 
 
-def _parse_env_value(raw: str) -> Any:
+def _parse_env_value(raw: str, name: str) -> Any:
+    where = f"environment variable {name}"
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(f"{where}: longer than {MAX_YAML_BYTES // 1024} KiB")
     try:
-        value = yaml.safe_load(raw)
+        value = load_yaml(raw, where)
     except yaml.YAMLError:
+        return raw  # not YAML: the string itself
+    if value is None:
         return raw
-    return raw if value is None else value
+    return copy_tree(value, (), Budget(where))
 
 
 def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -547,20 +575,32 @@ def _leaves(value: Any, prefix: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
         yield prefix
 
 
-def _dotted(loc: tuple[Any, ...]) -> str:
-    out = ""
+def _is_secret(model: Any, loc: tuple[Any, ...]) -> bool:
+    """True when ``loc`` (in ``model``) is a secret field, or is named like one."""
     for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
+        if isinstance(part, str) and SECRET_NAME.search(part):
+            return True
+    annotation: Any = None
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return False
+        annotation = model.model_fields[part].annotation
+        model = next((a for a in (annotation, *get_args(annotation)) if isinstance(a, type)), annotation)
+    return annotation is SecretStr or SecretStr in get_args(annotation)
 
 
-def _describe(err: Any) -> tuple[tuple[Any, ...], str]:
-    """Turn one pydantic error into (location, human message)."""
+def _describe(err: Any, *, secret: bool = False) -> tuple[tuple[Any, ...], str]:
+    """Turn one pydantic error into (location, human message); a ``secret`` value is never shown."""
     loc, kind, ctx = tuple(err["loc"]), err["type"], err.get("ctx") or {}
-    got = repr(err.get("input"))
-    got = got if len(got) <= 80 else got[:77] + "..."
+    if secret:
+        got = f"a value of type {type(err.get('input')).__name__} (not shown: a secret)"
+    else:
+        got = repr(redacted(err.get("input")))
+        got = got if len(got) <= 80 else got[:77] + "..."
     if kind == "hicache_field":
-        return (*loc, ctx["field"]), err["msg"]
+        return (*loc, *ctx["field"].split(".")), err["msg"]
     if kind == "extra_forbidden":
         return loc, "unknown setting"
     if kind == "missing":
@@ -569,7 +609,8 @@ def _describe(err: Any) -> tuple[tuple[Any, ...], str]:
         choices = ", ".join(re.findall(r"'[^']*'", str(ctx.get("expected"))))
         return loc, f"expected one of {choices}, got {got}"
     if kind == "value_error":
-        return loc, str(ctx.get("error", err["msg"]))
+        message = str(ctx.get("error", err["msg"]))
+        return loc, mask_url(message) if "://" in message else message
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return loc, f"expected a mapping of settings, got {got}"
     message = err["msg"]

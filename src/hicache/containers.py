@@ -87,7 +87,9 @@ class Container(containers.DeclarativeContainer):
     )
     transfer_engine = providers.Singleton(TransferEngine, io_backend, device_pool, host_pool)
 
-    page_codec = providers.Singleton(PageCodec, namespace=namespace.provided.digest, geometry=geometry)
+    page_codec = providers.Singleton(
+        PageCodec, namespace=namespace.provided.digest, geometry=geometry, tenant_key=namespace.provided.tenant_key
+    )
     storage_tiers = providers.Singleton(storage_tiers_from_config, config, page_codec, host_pool)
 
     eviction_policy = providers.Selector(

@@ -5,6 +5,10 @@ seeded with a namespace digest built from everything that changes the bytes of t
 and revision, geometry, dtype, page size) plus an optional tenant salt. Two caches that disagree on
 any of these can never hand each other pages, even through a shared storage tier.
 
+With a ``tenant_key`` the seed is a keyed hash (``TenantKey``): nobody without the key can compute
+the key of any page, and the subkeys that name pages in storage and authenticate their contents
+(``page_format.PageCodec``) derive from the same secret.
+
 Token ids travel as the raw bytes of an int64 array so that matching and hashing work per page
 (``memcmp`` and one hash call), never per token in Python.
 """
@@ -12,9 +16,10 @@ Token ids travel as the raw bytes of an int64 array so that matching and hashing
 from __future__ import annotations
 
 import hashlib
+import hmac
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidTokensError
@@ -22,12 +27,50 @@ from .errors import InvalidTokensError
 if TYPE_CHECKING:
     from .config import HiCacheConfig
 
-__all__ = ["Namespace", "TokenBytes", "as_token_bytes", "chain_keys", "KEY_BYTES", "TOKEN_BYTES"]
+__all__ = ["Namespace", "TenantKey", "TokenBytes", "as_token_bytes", "chain_keys", "KEY_BYTES", "TOKEN_BYTES"]
 
 KEY_BYTES = 16
 TOKEN_BYTES = 8  # int64 token ids
 
 TokenBytes = bytes
+
+
+class TenantKey:
+    """A tenant's secret, kept only as a root key that subkeys are derived from; never shown.
+
+    Derivation is keyed BLAKE2b (standard library): ``root = BLAKE2b(key=secret, person="hicache-tenant")``
+    and ``subkey(purpose, context) = BLAKE2b(context, key=root, person=purpose)``, 32 bytes each. One
+    subkey per purpose (the key-chain seed, page names, page MACs) so no output of one use helps
+    with another. The repr, ``str`` and pickling never reveal the secret.
+    """
+
+    __slots__ = ("_root",)
+
+    def __init__(self, secret: str | bytes) -> None:
+        raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+        if not raw:
+            raise ValueError("a tenant key cannot be empty")
+        # BLAKE2b takes at most 64 key bytes: longer secrets are hashed down first.
+        key = raw if len(raw) <= 64 else hashlib.blake2b(raw, person=b"hicache-longkey").digest()
+        self._root = hashlib.blake2b(b"", key=key, person=b"hicache-tenant", digest_size=32).digest()
+
+    def derive(self, purpose: str, context: bytes = b"") -> bytes:
+        """A 32-byte subkey for ``purpose`` (at most 16 ASCII characters) and ``context``."""
+        return hashlib.blake2b(context, key=self._root, person=purpose.encode(), digest_size=32).digest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TenantKey) and hmac.compare_digest(self._root, other._root)
+
+    def __hash__(self) -> int:
+        return hash(self.derive("hash"))
+
+    def __repr__(self) -> str:
+        return "TenantKey('**********')"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a TenantKey is not pickled: pass the config (with its SecretStr) instead")
 
 
 @dataclass(frozen=True)
@@ -43,6 +86,7 @@ class Namespace:
     dtype: str
     page_size: int
     tenant_salt: str = ""
+    tenant_key: TenantKey | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, config: HiCacheConfig) -> Namespace:
@@ -57,11 +101,12 @@ class Namespace:
             dtype=m.dtype,
             page_size=config.page_size,
             tenant_salt=config.tenant_salt,
+            tenant_key=None if config.tenant_key is None else TenantKey(config.tenant_key.get_secret_value()),
         )
 
     @property
     def digest(self) -> bytes:
-        """The seed of every page-key chain in this namespace."""
+        """The seed of every page-key chain in this namespace (secret when there is a tenant key)."""
         fields = "\x1f".join(
             str(v)
             for v in (
@@ -77,7 +122,15 @@ class Namespace:
                 self.tenant_salt,
             )
         )
-        return hashlib.blake2b(fields.encode(), digest_size=KEY_BYTES).digest()
+        if self.tenant_key is None:
+            return hashlib.blake2b(fields.encode(), digest_size=KEY_BYTES).digest()
+        seed_key = self.tenant_key.derive("chain-seed")
+        return hashlib.blake2b(fields.encode(), key=seed_key, digest_size=KEY_BYTES).digest()
+
+
+_INT_DTYPES = frozenset(
+    f"torch.{name}" for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+)
 
 
 def as_token_bytes(tokens: Any) -> TokenBytes:
@@ -91,9 +144,15 @@ def as_token_bytes(tokens: Any) -> TokenBytes:
     except ImportError:  # pragma: no cover - torch is a hard dependency
         torch = None  # type: ignore[assignment]
     if torch is not None and isinstance(tokens, torch.Tensor):
+        if tokens.is_meta:
+            raise InvalidTokensError("token ids are on the meta device and have no values: pass a real tensor")
+        if tokens.layout != torch.strided or tokens.is_nested:
+            raise InvalidTokensError(
+                f"token ids must be a dense tensor, got layout {tokens.layout}: call .to_dense() first"
+            )
         if tokens.dim() != 1:
             raise InvalidTokensError(f"token ids must be a 1-D tensor, got shape {tuple(tokens.shape)}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        if str(tokens.dtype) not in _INT_DTYPES:
             raise InvalidTokensError(f"token ids must be integers, got a {tokens.dtype} tensor")
         ids = tokens.detach().to("cpu", torch.int64).contiguous()
         if ids.numel() and int(ids.min()) < 0:

@@ -37,9 +37,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
+from urllib.parse import urlsplit
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ...errors import (
     CacheClosedError,
@@ -87,11 +88,38 @@ class PageIO(NamedTuple):
 
 
 class BackendSettings(BaseModel):
-    """Settings every backend has; a backend's own ``Settings`` subclass adds its fields."""
+    """Settings every backend has; a backend's own ``Settings`` subclass adds its fields.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    A field named ``url`` is checked here for every backend: it must parse, with a port in range,
+    and use one of ``url_schemes`` when the subclass names them (so a typo is a ``ConfigError``
+    when the config loads, not an error when the cache opens).
+    """
+
+    # hide_input_in_errors: a chained ValidationError must not print a password.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+    #: The URL schemes a backend's ``url`` accepts (``None``: any).
+    url_schemes: ClassVar[tuple[str, ...] | None] = None
 
     timeout_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("url", check_fields=False)
+    @classmethod
+    def _url_parses(cls, url: object) -> object:
+        if not isinstance(url, str):
+            return url
+        parts = urlsplit(url)
+        schemes = cls.url_schemes
+        if schemes is not None and parts.scheme not in schemes:
+            got = f"{parts.scheme}://" if parts.scheme else "none"
+            raise ValueError(f"the scheme must be one of {', '.join(s + '://' for s in schemes)}, got {got}")
+        try:
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number in 0..65535
+        except ValueError:
+            raise ValueError("the port must be a number from 1 to 65535") from None
+        if not parts.scheme or not (parts.hostname or parts.path):
+            raise ValueError("expected scheme://host[:port][/...]")
+        return url
 
 
 @dataclass(frozen=True)
@@ -154,8 +182,14 @@ class StorageBackend(ABC):
         await self.aclose()
 
     async def open(self) -> None:
+        """Connect/scan; a failure is a ``HiCacheError`` (``StorageBackendError`` wrapping any other)."""
         if not self._is_open:
-            await self._open()
+            try:
+                await self._open()
+            except HiCacheError:
+                raise
+            except Exception as exc:
+                raise StorageBackendError(self.kind, "open", f"{type(exc).__name__}: {_masked(exc)}") from exc
             self._is_open = True
 
     async def aclose(self) -> None:
@@ -312,7 +346,7 @@ class StorageBackend(ABC):
             raise
         except Exception as exc:
             self._errors += 1
-            raise StorageBackendError(self.kind, verb, repr(exc)) from exc
+            raise StorageBackendError(self.kind, verb, f"{type(exc).__name__}({_masked(exc)!r})") from exc
         finally:
             self._seconds[verb] += time.perf_counter() - start
 
@@ -320,3 +354,13 @@ class StorageBackend(ABC):
         used, capacity, pages = self._usage()
         state = "open" if self._is_open else "closed"
         return f"<{type(self).__name__} {state} pages={pages} used={used} capacity={capacity}>"
+
+
+def _masked(exc: BaseException) -> str:
+    """An exception's message with any URL password in it masked (client libraries quote URLs)."""
+    from ...redaction import mask_url
+
+    text = str(exc)
+    if "://" not in text:
+        return text
+    return " ".join(mask_url(word) if "://" in word else word for word in text.split(" "))

@@ -25,31 +25,67 @@ and the payload pieces: the host-pool page itself, in either layout (``layer_fir
 component and layer): ~0.8x of a raw sequential cold read
 of one file, against ~0.6x for plain file-by-file reads and ~0.8x for aiofiles, which pays a thread
 hop per file.
+
+**The folder is untrusted** (other processes, other users may write there):
+
+* page files are opened with ``O_NONBLOCK | O_NOFOLLOW`` and used only if ``fstat`` says they are
+  regular files; a FIFO, socket, device, folder or symbolic link in a page's place is a corrupt
+  page (counted, removed when that is safe: links and special files are unlinked, never followed),
+  never waited on;
+* nothing below the root is reached through a symbolic link: shard folders are opened with
+  ``O_NOFOLLOW`` and every page is opened, written, renamed and unlinked relative to its shard's
+  descriptor (``dir_fd``), so a shard replaced by a link to elsewhere is refused (logged once), and
+  its pages are misses and never written; the root itself may be a link (you chose it);
+* a page file that cannot be opened (``EACCES``, ``ELOOP``) ends the read there: the pages before
+  it are served, and no descriptor outlives the call.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
+import re
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 import anyio
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ...config import ByteSize
+from ...errors import ConfigError
 from .base import BackendSettings, PageIO, StorageBackend
 from .lru_index import LruIndex
+from .page_files import CORRUPT, SUFFIX, Folder, Refused, delete_pages, read_pages, unlink_at, write_pages
 
 __all__ = ["FileBackend"]
 
 log = logging.getLogger(__name__)
 
-_SUFFIX = ".kv"
+_SUFFIX = SUFFIX
 _STALE_TMP_S = 15 * 60  # a temporary file this old belongs to a writer that died
+_VAR = re.compile(r"\$(?P<name>[A-Za-z_][A-Za-z0-9_]*)")  # $VAR; ${VAR} is load_config's (strict there)
+
+
+def expand_path(path: str) -> Path:
+    """``~`` and ``$VAR`` expanded; ``ValueError`` naming a variable that is not set.
+
+    ``${VAR}`` is expanded (strictly) by ``load_config``; what reaches here in that form was written
+    ``$${VAR}`` there, a literal. ``os.path.expandvars`` would leave an unset ``$VAR`` as it is, and
+    a folder named ``$VAR`` would appear.
+    """
+
+    def value(match: re.Match[str]) -> str:
+        name = match["name"]
+        if name not in os.environ:
+            raise ValueError(
+                f"environment variable {name} in path {path!r} is not set: set it, or write the path out"
+            )
+        return os.environ[name]
+
+    return Path(_VAR.sub(value, path)).expanduser()
 
 
 class FileBackend(StorageBackend):
@@ -60,22 +96,37 @@ class FileBackend(StorageBackend):
         path: str = Field(min_length=1)
         capacity: ByteSize = 10 * 1024**3
         fsync: Literal["always", "never"] = "always"
-        write_threads: int = Field(default=8, ge=1, le=64)
-        read_ahead: int = Field(default=64, ge=0, le=256)
+        write_threads: int = Field(default=8, ge=1, le=64, strict=True)
+        read_ahead: int = Field(default=64, ge=0, le=256, strict=True)
+
+        @field_validator("path")
+        @classmethod
+        def _usable_path(cls, path: str) -> str:
+            where = expand_path(path)
+            if where.exists() and not where.is_dir():
+                raise ValueError(f"{str(where)!r} is a file, not a folder: point `path` at a folder (created if missing)")
+            return path
 
     settings: Settings
 
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
-        self.root = Path(os.path.expandvars(self.settings.path)).expanduser()
+        self.root = expand_path(self.settings.path)
         self._index = LruIndex(self.settings.capacity)  # key -> file size, least recently used first
         self._write_limiter = anyio.CapacityLimiter(self.settings.write_threads)
+        self._refused: set[str] = set()  # shard folders already reported as links (logged once each)
 
     # -- paths ----------------------------------------------------------------------------------
 
     def path_of(self, key: bytes) -> Path:
         name = key.hex()
         return self.root / name[:2] / (name + _SUFFIX)
+
+    @staticmethod
+    def _place(key: bytes) -> tuple[str, str]:
+        """``(shard, file name)`` of a page: both come from the key alone."""
+        name = key.hex()
+        return name[:2], name + _SUFFIX
 
     @staticmethod
     def _key_of(name: str) -> bytes | None:
@@ -90,34 +141,52 @@ class FileBackend(StorageBackend):
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def _open(self) -> None:
-        found = await anyio.to_thread.run_sync(self._scan)
+        try:
+            found = await anyio.to_thread.run_sync(self._scan)
+        except OSError as exc:
+            raise ConfigError(
+                f"file tier: cannot use {str(self.root)!r} as its folder ({exc.strerror or exc}): set `path` to a "
+                "folder this process can create, read and write"
+            ) from exc
         found.sort(key=lambda item: item[2])
         self._index.clear()
         for key, size, _ in found:  # oldest first
             self._index.remember(key, size)
         log.debug("file backend %s: %d pages, %d bytes", self.root, len(self._index), self._index.used)
 
-    def _scan(self) -> list[tuple[bytes, int, float]]:
-        """Every page file under the root as ``(key, size, mtime)``; stale temporaries removed."""
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _scan(self, remove: bool = False) -> list[tuple[bytes, int, float]]:
+        """Every page file under the root as ``(key, size, mtime)``; stale temporaries removed.
+
+        With ``remove``, page files and temporaries are deleted instead (``clear``).
+        """
         found: list[tuple[bytes, int, float]] = []
         now = time.time()
-        with os.scandir(self.root) as shards:
-            for shard in shards:
-                if len(shard.name) != 2 or not shard.is_dir(follow_symlinks=False):
+        with Folder(self.root, self._refused, create=True) as folder:
+            with os.scandir(folder.fd) as shards:
+                names = [s.name for s in shards if len(s.name) == 2]
+            for shard in names:
+                try:
+                    sfd = folder.shard(shard)
+                except Refused:
                     continue
-                with os.scandir(shard.path) as entries:
+                if sfd is None:
+                    continue
+                with os.scandir(sfd) as entries:
                     for entry in entries:
                         try:
                             st = entry.stat(follow_symlinks=False)
                         except FileNotFoundError:
                             continue  # removed by another process meanwhile
                         if entry.name.endswith(".tmp"):
-                            if now - st.st_mtime > _STALE_TMP_S:
-                                _unlink(entry.path)
+                            if remove or now - st.st_mtime > _STALE_TMP_S:
+                                unlink_at(sfd, entry.name)
                             continue
                         key = self._key_of(entry.name)
-                        if key is not None and key.hex()[:2] == shard.name and entry.is_file(follow_symlinks=False):
+                        if key is None or key.hex()[:2] != shard or not stat.S_ISREG(st.st_mode):
+                            continue
+                        if remove:
+                            unlink_at(sfd, entry.name)
+                        else:
                             found.append((key, st.st_size, st.st_mtime))
         return found
 
@@ -138,26 +207,35 @@ class FileBackend(StorageBackend):
         for i, key in enumerate(keys):
             if key in self._index:
                 continue
-            # Not in our index: another process may have written it since we scanned. One stat of
-            # a cached directory costs microseconds, less than a hop to a worker thread.
+            # Not in our index: another process may have written it since we scanned. Two lstats
+            # of cached directories cost microseconds, less than a hop to a worker thread. Only a
+            # regular file in a real shard folder counts (a FIFO or a link there is not a page).
+            path = self.path_of(key)
             try:
-                st = os.stat(self.path_of(key))
+                if not stat.S_ISDIR(os.lstat(path.parent).st_mode):
+                    return i
+                st = os.lstat(path)
             except OSError:
+                return i
+            if not stat.S_ISREG(st.st_mode):
                 return i
             self._remember(key, st.st_size)
         return len(keys)
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
-        paths = [self.path_of(k) for k in keys]
-        done, problem = await anyio.to_thread.run_sync(_read_pages, paths, into, self.settings.read_ahead)
+        places = [self._place(k) for k in keys]
+        done, problem = await anyio.to_thread.run_sync(
+            read_pages, self.root, self._refused, places, into, self.settings.read_ahead
+        )
         for key, io in zip(keys[:done], into[:done], strict=True):
             self._remember(key, io.nbytes)
         if problem is not None:
             self._forget(keys[done])
-            if problem == "size":
-                # A page file of the wrong size can never be valid (torn write under fsync=never,
-                # or not ours): it was deleted in the thread.
+            if problem in CORRUPT:
+                # Not a page of ours (torn write under fsync=never, another writer's file, a FIFO or a
+                # link planted there): counted; removed in the thread where that was safe.
                 self.corrupt_pages += 1
+                log.debug("file backend %s: page %s unusable (%s)", self.root, keys[done].hex(), problem)
         return done
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
@@ -175,9 +253,10 @@ class FileBackend(StorageBackend):
 
         async def write_share(w: int) -> None:
             share = list(range(w, len(keys), workers))
-            drop = [self.path_of(v) for v in victims] if w == 0 else []
+            drop = [self._place(v) for v in victims] if w == 0 else []
             results = await anyio.to_thread.run_sync(
-                _write_pages, [self.path_of(keys[i]) for i in share], [pages[i] for i in share], fsync, drop,
+                write_pages, self.root, self._refused, [self._place(keys[i]) for i in share],
+                [pages[i] for i in share], fsync, drop,
                 limiter=self._write_limiter,
             )
             for i, good in zip(share, results, strict=True):
@@ -194,124 +273,8 @@ class FileBackend(StorageBackend):
     async def _delete(self, keys: Sequence[bytes]) -> None:
         for key in keys:
             self._forget(key)
-        await anyio.to_thread.run_sync(lambda: [_unlink(self.path_of(k)) for k in keys])
+        await anyio.to_thread.run_sync(delete_pages, self.root, self._refused, [self._place(k) for k in keys])
 
     async def _clear(self) -> None:
         self._index.clear()
-        await anyio.to_thread.run_sync(self._remove_all)
-
-    def _remove_all(self) -> None:
-        for key, _, _ in self._scan():
-            _unlink(self.path_of(key))
-
-
-# -- worker-thread functions (no shared state: paths and buffers in, results out) -----------------
-
-
-def _unlink(path: str | Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-def _preadv(fd: int, buffers: list[memoryview]) -> int:
-    """Read the file from its start into ``buffers`` in order (any number of them); bytes read."""
-    done = 0
-    for i in range(0, len(buffers), _IOV_MAX):
-        group = buffers[i : i + _IOV_MAX]
-        n = os.preadv(fd, group, done)
-        done += n
-        if n != sum(len(b) for b in group):
-            break
-    return done
-
-
-def _writev(fd: int, buffers: list[memoryview]) -> None:
-    """Write ``buffers`` in order, all of them, or raise."""
-    for i in range(0, len(buffers), _IOV_MAX):
-        group = buffers[i : i + _IOV_MAX]
-        if os.writev(fd, group) != sum(len(b) for b in group):
-            raise OSError("short write")
-
-
-def _read_pages(paths: list[Path], into: Sequence[PageIO], read_ahead: int) -> tuple[int, str | None]:
-    """Read consecutive pages until one is missing or of the wrong size; ``(count, problem)``."""
-    fds: dict[int, int | None] = {}
-
-    def announce(j: int) -> None:
-        try:
-            fd = os.open(paths[j], os.O_RDONLY)
-        except FileNotFoundError:
-            fds[j] = None
-            return
-        fds[j] = fd
-        if read_ahead:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)  # start the disk read now
-
-    n = len(paths)
-    for j in range(min(max(read_ahead, 1), n)):
-        announce(j)
-    try:
-        for i in range(n):
-            if read_ahead and i + read_ahead < n:
-                announce(i + read_ahead)
-            elif i not in fds:
-                announce(i)
-            fd = fds.pop(i)
-            if fd is None:
-                return i, "missing"
-            try:
-                expected = into[i].nbytes
-                if os.fstat(fd).st_size != expected or _preadv(fd, into[i].buffers()) != expected:
-                    _unlink(paths[i])
-                    return i, "size"
-                os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
-            finally:
-                os.close(fd)
-        return n, None
-    finally:
-        for fd in fds.values():
-            if fd is not None:
-                os.close(fd)
-
-
-def _write_pages(paths: list[Path], pages: Sequence[PageIO], fsync: bool, drop: list[Path]) -> list[bool]:
-    """Write each page atomically (temporary file, fsync, rename); delete ``drop`` first."""
-    for path in drop:
-        _unlink(path)
-    results: list[bool] = []
-    shards: set[Path] = set()
-    for path, io in zip(paths, pages, strict=True):
-        tmp = path.parent / f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
-            try:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileNotFoundError:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _writev(fd, io.buffers())
-                if fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("file backend: cannot write %s: %s", path.name, exc)
-            _unlink(tmp)
-            results.append(False)
-            continue
-        shards.add(path.parent)
-        results.append(True)
-    if fsync:
-        for shard in shards:  # make the renames durable
-            fd = os.open(shard, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    return results
+        await anyio.to_thread.run_sync(lambda: self._scan(remove=True))

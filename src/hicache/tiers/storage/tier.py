@@ -6,6 +6,10 @@ per component and layer for ``layer_first``), so reads land in place and writes 
 no staging copy; it writes and checks headers in a worker thread (one hop per batch); and it turns
 every backend failure into a miss or an unrecorded write, counted, so a broken backend can never
 fail a request.
+
+Backends never see page keys: the codec names each page (``PageCodec.storage_keys``; with a tenant
+key, a keyed hash of the page key) and the tier hands those names down, and checks every page read
+against its name, so a page stored under another name, by another tenant or by a forger is a miss.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ class StorageTier:
         if not keys:
             return 0
         try:
-            found = await self.backend.exists(keys)
+            found = await self.backend.exists(self.codec.storage_keys(keys))
         except StorageError as exc:
             self._failed(exc)
             return 0
@@ -124,9 +128,10 @@ class StorageTier:
         batch, ``on_batch(first, good)`` may publish its ``good`` verified pages (indices
         ``first..first+good`` of ``host_pages``) and return False to stop. Pages past the returned
         count hold garbage and are the caller's to free. A page that fails verification is counted
-        as corrupt and deleted from the backend.
+        as corrupt and deleted from the backend, so a later ``store`` writes the page again.
         """
         assert len(keys) == len(host_pages)
+        keys = self.codec.storage_keys(keys)
         starts = range(0, len(keys), self.batch_pages)
         total = 0
         send, receive = anyio.create_memory_object_stream[tuple[int, list[PageIO], int]](1)
@@ -141,7 +146,13 @@ class StorageTier:
                         self._succeeded()
                     except StorageError as exc:
                         self._failed(exc)
-                        n = 0
+                        n = -1
+                    if 0 <= n < len(k):
+                        # The page after the last one read was reported present: it is gone, or a
+                        # value of the wrong size sits under its name (torn, or planted there). Drop
+                        # it, so it cannot make a later store skip the page as already stored.
+                        await self._drop(k[n])
+                    n = max(n, 0)
                     await send.send((first, ios, n))
                     if n < len(k):
                         return
@@ -167,25 +178,49 @@ class StorageTier:
     async def _drop_corrupt(self, key: bytes, reason: str) -> None:
         self.backend.corrupt_pages += 1
         log.warning("storage tier %s: page %s failed verification (%s); dropped", self.name, key.hex(), reason)
+        await self._drop(key)
+
+    async def _drop(self, key: bytes) -> None:
         try:
             await self.backend.delete([key])
         except StorageError as exc:
             self._failed(exc)
 
     async def store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
-        """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored."""
+        """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored.
+
+        Headers (checksums or MACs) of the next batch are encoded in a worker thread while this
+        batch is written, so a MAC's CPU time hides behind the backend's I/O.
+        """
         assert len(keys) == len(host_pages)
+        keys = self.codec.storage_keys(keys)
+        step = self.batch_pages
+        starts = range(0, len(keys), step)
         total = 0
-        for start in range(0, len(keys), self.batch_pages):
-            k = keys[start : start + self.batch_pages]
-            ios = await anyio.to_thread.run_sync(
-                self._encode, k, host_pages[start : start + self.batch_pages]
+        encoded: dict[int, list[PageIO]] = {}
+
+        async def encode(start: int) -> None:
+            encoded[start] = await anyio.to_thread.run_sync(
+                self._encode, keys[start : start + step], host_pages[start : start + step]
             )
-            try:
-                n = await self.backend.set(k, ios)
-                self._succeeded()
-            except StorageError as exc:
-                self._failed(exc)
+
+        if starts:
+            await encode(0)
+        for i, start in enumerate(starts):
+            k = keys[start : start + step]
+            ios = encoded.pop(start)
+            # The group waits for the next batch's encoding (it reads pinned host pages) before
+            # this returns, whatever the write did.
+            async with anyio.create_task_group() as tg:
+                if i + 1 < len(starts):
+                    tg.start_soon(encode, starts[i + 1])
+                try:
+                    n = await self.backend.set(k, ios)
+                    self._succeeded()
+                except StorageError as exc:
+                    self._failed(exc)
+                    n = -1
+            if n < 0:
                 return total
             total += n
             self.stored_pages += n

@@ -1,0 +1,286 @@
+"""Page files in a folder others may write to: the file tier's worker-thread I/O.
+
+Everything here runs in worker threads, with no shared state (paths and buffers in, results out).
+Nothing below the tier's root is reached through a symbolic link: shard folders are opened with
+``O_NOFOLLOW`` relative to the root's descriptor, and page files relative to their shard's
+(``dir_fd``), opened with ``O_NONBLOCK | O_NOFOLLOW`` and used only if ``fstat`` says they are regular
+files. Every descriptor opened here is closed before the call returns.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from .base import PageIO
+
+__all__ = ["CORRUPT", "SUFFIX", "Folder", "Refused", "delete_pages", "read_pages", "unlink_at", "write_pages"]
+
+log = logging.getLogger("hicache.tiers.storage.file")
+
+SUFFIX = ".kv"
+#: Why a page was not read: "missing" is a plain miss, every other reason a corrupt page.
+CORRUPT = frozenset({"size", "special", "link", "unreadable", "refused"})
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_PAGE_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | _CLOEXEC
+_PAGE_WRITE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+_SHARD = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
+_ROOT = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
+
+
+class Refused(Exception):
+    """A shard folder is a symbolic link (or not a folder): nothing in it is read or written."""
+
+
+class Folder:
+    """The tier's root and the shard folders used in one call, as descriptors, closed on exit.
+
+    Shards are opened with ``O_NOFOLLOW`` relative to the root's descriptor, and pages relative to
+    their shard's, so no path below the root is resolved through a symbolic link.
+    """
+
+    def __init__(self, root: Path, refused: set[str], *, create: bool = False) -> None:
+        self.root = root
+        self.refused = refused
+        self.create = create
+        try:
+            self.fd = os.open(root, _ROOT)
+        except FileNotFoundError:
+            if not create:
+                raise
+            root.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(root, _ROOT)
+        self._shards: dict[str, int | None] = {}
+        self._bad: set[str] = set()
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for fd in self._shards.values():
+            if fd is not None:
+                os.close(fd)
+        self._shards.clear()
+        os.close(self.fd)
+
+    def shard(self, name: str, *, create: bool = False) -> int | None:
+        """The shard's descriptor; ``None`` if it does not exist (and not ``create``); ``Refused`` if a link."""
+        if name in self._bad:
+            raise Refused(name)
+        fd = self._shards.get(name)
+        if fd is not None or (name in self._shards and not create):
+            return fd
+        try:
+            fd = os.open(name, _SHARD, dir_fd=self.fd)
+        except FileNotFoundError:
+            if not create:
+                self._shards[name] = None
+                return None
+            try:
+                os.mkdir(name, 0o755, dir_fd=self.fd)
+            except FileExistsError:
+                pass  # another writer made it (or planted something there: the open below decides)
+            except OSError as exc:
+                self._refuse(name, exc)
+            try:
+                fd = os.open(name, _SHARD, dir_fd=self.fd)
+            except OSError as exc:
+                self._refuse(name, exc)
+        except OSError as exc:
+            self._refuse(name, exc)
+        self._shards[name] = fd
+        return fd
+
+    def _refuse(self, name: str, exc: OSError) -> None:
+        self._bad.add(name)
+        path = str(self.root / name)
+        if path not in self.refused:
+            self.refused.add(path)
+            try:
+                is_link = stat.S_ISLNK(os.lstat(name, dir_fd=self.fd).st_mode)
+            except OSError:
+                is_link = False
+            if is_link or exc.errno == errno.ELOOP:  # O_NOFOLLOW | O_DIRECTORY on a link: ENOTDIR
+                why = "a symbolic link; refusing to follow it below the tier's root"
+            else:
+                why = f"not a usable folder ({exc.strerror})"
+            log.warning(
+                "file backend: %s is %s: its pages are misses and are not written (remove it to use it again)",
+                path, why,
+            )
+        raise Refused(path) from exc
+
+
+def unlink_at(dir_fd: int, name: str) -> None:
+    """Remove the entry ``name`` itself (a file, FIFO or link: never what a link points to)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # a folder in a page's place, or no right to remove it: leave it
+        log.debug("file backend: cannot remove %s: %s", name, exc)
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def _preadv(fd: int, buffers: list[memoryview]) -> int:
+    """Read the file from its start into ``buffers`` in order (any number of them); bytes read."""
+    done = 0
+    for i in range(0, len(buffers), _IOV_MAX):
+        group = buffers[i : i + _IOV_MAX]
+        n = os.preadv(fd, group, done)
+        done += n
+        if n != sum(len(b) for b in group):
+            break
+    return done
+
+
+def _writev(fd: int, buffers: list[memoryview]) -> None:
+    """Write ``buffers`` in order, all of them, or raise."""
+    for i in range(0, len(buffers), _IOV_MAX):
+        group = buffers[i : i + _IOV_MAX]
+        if os.writev(fd, group) != sum(len(b) for b in group):
+            raise OSError("short write")
+
+
+def _open_page(folder: Folder, shard: str, name: str) -> int | str:
+    """A descriptor of the regular file ``shard/name``, or why there is none (see ``_CORRUPT``).
+
+    ``O_NONBLOCK``: opening a FIFO would otherwise wait for a writer, in a thread no timeout reaches.
+    Whatever is not a usable regular file is removed here when that is safe (the entry itself,
+    never a link's target; a folder in a page's place stays).
+    """
+    try:
+        sfd = folder.shard(shard)
+    except Refused:
+        return "refused"
+    if sfd is None:
+        return "missing"
+    try:
+        fd = os.open(name, _PAGE_READ, dir_fd=sfd)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        # A symbolic link (ELOOP), a socket (ENXIO), a file we may not read (EACCES, EPERM): none is
+        # a page we can use, and the entry itself is removed so a later store can write the page.
+        unlink_at(sfd, name)
+        return {errno.ELOOP: "link", errno.ENXIO: "special"}.get(exc.errno or 0, "unreadable")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        unlink_at(sfd, name)
+        return "special"
+    return fd
+
+
+def read_pages(
+    root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int
+) -> tuple[int, str | None]:
+    """Read consecutive pages until one is missing or unusable; ``(count, problem)``.
+
+    Every descriptor opened here is closed before it returns, whatever happens.
+    """
+    fds: dict[int, int | str] = {}
+    n = len(places)
+    try:
+        with Folder(root, refused) as folder:
+            try:
+
+                def announce(j: int) -> None:
+                    got = fds[j] = _open_page(folder, *places[j])
+                    if read_ahead and isinstance(got, int):
+                        os.posix_fadvise(got, 0, 0, os.POSIX_FADV_WILLNEED)  # start the disk read now
+
+                for j in range(min(max(read_ahead, 1), n)):
+                    announce(j)
+                for i in range(n):
+                    if read_ahead and i + read_ahead < n:
+                        announce(i + read_ahead)
+                    elif i not in fds:
+                        announce(i)
+                    fd = fds.pop(i)
+                    if isinstance(fd, str):
+                        return i, fd
+                    try:
+                        expected = into[i].nbytes
+                        if os.fstat(fd).st_size != expected or _preadv(fd, into[i].buffers()) != expected:
+                            sfd = folder.shard(places[i][0])
+                            assert sfd is not None  # the page was opened in it
+                            unlink_at(sfd, places[i][1])
+                            return i, "size"
+                        try:
+                            os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
+                        except OSError:
+                            pass  # another user's file in a shared folder: read, but not ours to touch
+                    finally:
+                        os.close(fd)
+                return n, None
+            finally:
+                for fd in fds.values():
+                    if isinstance(fd, int):
+                        os.close(fd)
+    except FileNotFoundError:
+        return 0, "missing"  # no root (removed under us): nothing is stored
+
+
+def write_pages(
+    root: Path, refused: set[str], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
+    drop: list[tuple[str, str]],
+) -> list[bool]:
+    """Write each page atomically (temporary file, fsync, rename) in its shard; delete ``drop`` first."""
+    results: list[bool] = []
+    with Folder(root, refused, create=True) as folder:
+        _unlink_places(folder, drop)
+        shards: set[int] = set()
+        for (shard, name), io in zip(places, pages, strict=True):
+            try:
+                sfd = folder.shard(shard, create=True)
+            except Refused:
+                results.append(False)
+                continue
+            assert sfd is not None  # created
+            tmp = f".{name.removesuffix(SUFFIX)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            try:
+                fd = os.open(tmp, _PAGE_WRITE, 0o644, dir_fd=sfd)
+                try:
+                    _writev(fd, io.buffers())
+                    if fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                # rename replaces whatever entry is there (a forged page, a FIFO, a link) itself
+                os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
+            except OSError as exc:
+                log.warning("file backend: cannot write %s/%s: %s", shard, name, exc)
+                unlink_at(sfd, tmp)
+                results.append(False)
+                continue
+            shards.add(sfd)
+            results.append(True)
+        if fsync:
+            for sfd in shards:  # make the renames durable
+                os.fsync(sfd)
+    return results
+
+
+def _unlink_places(folder: Folder, places: list[tuple[str, str]]) -> None:
+    for shard, name in places:
+        try:
+            sfd = folder.shard(shard)
+        except Refused:
+            continue
+        if sfd is not None:
+            unlink_at(sfd, name)
+
+
+def delete_pages(root: Path, refused: set[str], places: list[tuple[str, str]]) -> None:
+    try:
+        with Folder(root, refused) as folder:
+            _unlink_places(folder, places)
+    except FileNotFoundError:
+        pass  # no root: nothing to delete
