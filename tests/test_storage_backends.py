@@ -22,9 +22,10 @@ from hicache.tiers.storage.file import FileBackend
 from hicache.tiers.storage.memory import MemoryBackend
 from hicache.tiers.storage.mooncake import MooncakeBackend
 from hicache.tiers.storage.redis import RedisBackend
+from hicache.tiers.storage.s3 import S3Backend
 
 from .mooncake_master import start_mooncake
-from .servers import ServerProcess, start_valkey
+from .servers import S3Server, ServerProcess, ValkeyCluster, start_seaweedfs, start_valkey, start_valkey_cluster
 
 PAYLOAD = 4096
 PAGE = HEADER_BYTES + PAYLOAD
@@ -48,10 +49,26 @@ def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]
     server.stop()
 
 
-@pytest.fixture(params=["memory", "file", "redis", "mooncake"])
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One real SeaweedFS S3 gateway (``weed mini``) on loopback for the session; tests keep apart by key prefix."""
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
+    """One real three-primary Valkey cluster on loopback for the session; tests keep apart by key prefix."""
+    cluster = start_valkey_cluster(tmp_path_factory.mktemp("valkey-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["memory", "file", "redis", "mooncake", "s3", "redis-cluster"])
 def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
     """``factory(**settings)`` builds a fresh backend of this kind (file: in a per-test folder;
-    redis: under a per-test key prefix on the session's server)."""
+    redis, s3: under a per-test key prefix on the session's server or cluster)."""
     if request.param == "memory":
         return lambda **kw: MemoryBackend(**kw)
     if request.param == "redis":
@@ -59,6 +76,14 @@ def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFa
         prefix = f"t{uuid.uuid4().hex[:12]}"
         url = f"redis://127.0.0.1:{server.port}/0"
         return lambda **kw: RedisBackend(url=url, key_prefix=prefix, **kw)
+    if request.param == "redis-cluster":
+        cluster = request.getfixturevalue("valkey_cluster")
+        prefix = f"t{uuid.uuid4().hex[:12]}"
+        return lambda **kw: RedisBackend(url=cluster.url, cluster=True, key_prefix=prefix, **kw)
+    if request.param == "s3":
+        s3 = request.getfixturevalue("seaweedfs")
+        prefix = f"t{uuid.uuid4().hex[:12]}"
+        return lambda **kw: S3Backend(**s3.settings(key_prefix=prefix, **kw))
     if request.param == "mooncake":
         settings = request.getfixturevalue("mooncake_cluster")
         prefix = f"t{uuid.uuid4().hex[:12]}"
