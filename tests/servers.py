@@ -249,6 +249,16 @@ class ValkeyCluster:
     """Primaries started with ``--cluster-enabled yes``, slots split evenly, joined with CLUSTER MEET."""
 
     nodes: list[ServerProcess]
+    slots: list[tuple[int, int]] = field(default_factory=list)  # each node's slot range, inclusive
+
+    def node_of(self, name: bytes | str) -> int:
+        """Which of ``nodes`` serves ``name`` (the slot asked of a running node)."""
+        import redis
+
+        port = next(n.port for n in self.nodes if n.proc is not None)
+        with redis.Redis(port=port, socket_timeout=2) as client:
+            slot = client.cluster("keyslot", name)
+        return next(i for i, (lo, hi) in enumerate(self.slots) if lo <= slot <= hi)
 
     @property
     def ports(self) -> list[int]:
@@ -312,6 +322,7 @@ def start_valkey_cluster(workdir: Path, primaries: int = 3) -> ValkeyCluster:
         step = 16384 // primaries
         for i, node in enumerate(cluster.nodes):
             lo, hi = i * step, (16383 if i == primaries - 1 else (i + 1) * step - 1)
+            cluster.slots.append((lo, hi))
             with redis.Redis(port=node.port, socket_timeout=2) as client:
                 client.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
                 if i:
