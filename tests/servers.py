@@ -179,8 +179,9 @@ class S3Server:
                 "secret_access_key": S3_SECRET_KEY, "timeout_s": 5.0, **extra}
 
     def wait_ready(self, timeout_s: float = 30.0) -> None:
-        """Until a signed listing of the bucket answers: the gateway can take a moment after its port opens,
-        and a request sent too early can hang (hence the short per-request timeout)."""
+        """Until a signed write, read and delete of a probe object go through: the gateway can take a
+        moment after its port opens (and the first volume after that), and a request sent too early
+        can hang (hence the short per-request timeout)."""
         import obstore
         from obstore.store import S3Store
 
@@ -191,7 +192,9 @@ class S3Server:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                obstore.list(store, prefix="readiness-probe/").collect()
+                obstore.put(store, "readiness-probe", b"probe", use_multipart=False)
+                assert bytes(obstore.get(store, "readiness-probe").bytes()) == b"probe"
+                obstore.delete(store, "readiness-probe")
                 return
             except Exception:
                 if time.monotonic() > deadline or self.process.proc is None or self.process.proc.poll() is not None:
