@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 
 from hicache import HiCache
@@ -30,6 +29,7 @@ from .servers import ServerProcess, ValkeyCluster, start_valkey, start_valkey_cl
 from .test_storage_backends import empty, key, page, same
 
 ROOT = Path(__file__).resolve().parent.parent
+redis = pytest.importorskip("redis", reason="the redis extra is not installed (pip install hicache[redis])")
 
 
 @pytest.fixture(scope="module")
