@@ -85,7 +85,7 @@ async def measure(args: argparse.Namespace, cluster_url: str, url: str) -> dict[
             keys = [os.urandom(16) for _ in range(n)]
             names = [b"bench-raw:" + k.hex().encode() for k in keys]
 
-            async def raw_write() -> float:
+            async def raw_write(names: list[bytes] = names) -> float:
                 t0 = time.perf_counter()
                 for s in range(0, n, batch):
                     async with raw.pipeline() as pipe:
@@ -94,7 +94,7 @@ async def measure(args: argparse.Namespace, cluster_url: str, url: str) -> dict[
                         await pipe.execute()
                 return time.perf_counter() - t0
 
-            async def raw_read() -> float:
+            async def raw_read(names: list[bytes] = names) -> float:
                 t0 = time.perf_counter()
                 for s in range(0, n, batch):
                     async with raw.pipeline() as pipe:

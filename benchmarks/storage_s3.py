@@ -93,17 +93,17 @@ async def clients(args: argparse.Namespace, s: dict, values: list[bytes]) -> Tim
         for rep in range(args.repeat):
             run = uuid.uuid4().hex[:8]
 
-            async def obs_put(i: int) -> None:
+            async def obs_put(i: int, run: str = run) -> None:
                 await obstore.put_async(store, f"bench-o/{run}/{i}", values[i], use_multipart=False)
 
-            async def boto_put(i: int) -> None:
+            async def boto_put(i: int, run: str = run) -> None:
                 await boto.put_object(Bucket=s["bucket"], Key=f"bench-b/{run}/{i}", Body=values[i])
 
-            async def obs_get(i: int) -> None:
+            async def obs_get(i: int, run: str = run) -> None:
                 blob = await (await obstore.get_async(store, f"bench-o/{run}/{i}")).bytes_async()
                 assert len(blob) == size
 
-            async def boto_get(i: int) -> None:
+            async def boto_get(i: int, run: str = run) -> None:
                 reply = await boto.get_object(Bucket=s["bucket"], Key=f"bench-b/{run}/{i}")
                 async with reply["Body"] as body:
                     blob = await body.read()
@@ -145,10 +145,10 @@ async def tier_vs_raw(args: argparse.Namespace, s: dict) -> Times:
             keys = [os.urandom(16) for _ in range(n)]
             names = [f"bench-raw-{prefix}/{k.hex()}" for k in keys]
 
-            async def put(i: int) -> None:
+            async def put(i: int, names: list[str] = names) -> None:
                 await obstore.put_async(raw, names[i], values[i], use_multipart=False)
 
-            async def get(i: int) -> None:
+            async def get(i: int, names: list[str] = names) -> None:
                 blob = await (await obstore.get_async(raw, names[i])).bytes_async()
                 assert len(blob) == len(values[i])
 
