@@ -71,6 +71,14 @@ async def bounded(n: int, concurrency: int, fn: Callable[[int], Awaitable[None]]
     return time.perf_counter() - t0
 
 
+def raw_store(s: dict, S3Store: type):  # noqa: N803 - the class, imported lazily by the caller
+    """A plain obstore client signing like the tier does (a credential provider: no AWS_* mixing in)."""
+    credential = {"access_key_id": s["access_key_id"], "secret_access_key": s["secret_access_key"], "token": None,
+                  "expires_at": None}
+    return S3Store(s["bucket"], endpoint=s["endpoint_url"], region="us-east-1", credential_provider=lambda: credential,
+                   client_options={"allow_http": s["endpoint_url"].startswith("http://"), "timeout": "120s"})
+
+
 async def clients(args: argparse.Namespace, s: dict, values: list[bytes]) -> Times:
     """obstore against aiobotocore, the same bytes, the same server, the same concurrency."""
     import obstore
@@ -79,9 +87,7 @@ async def clients(args: argparse.Namespace, s: dict, values: list[bytes]) -> Tim
     from obstore.store import S3Store
 
     n, c, size = len(values), args.concurrency, len(values[0])
-    store = S3Store(s["bucket"], endpoint=s["endpoint_url"], access_key_id=s["access_key_id"],
-                    secret_access_key=s["secret_access_key"], region="us-east-1",
-                    client_options={"allow_http": True, "timeout": "60s"})
+    store = raw_store(s, S3Store)
     config = AioConfig(request_checksum_calculation="when_required", response_checksum_validation="when_required",
                        max_pool_connections=c, retries={"max_attempts": 1}, s3={"addressing_style": "path"},
                        connect_timeout=5, read_timeout=60)
@@ -135,9 +141,7 @@ async def tier_vs_raw(args: argparse.Namespace, s: dict) -> Times:
     prefix = f"bench-tier-{uuid.uuid4().hex[:8]}"
     backend = S3Backend(**s, key_prefix=prefix, max_concurrency=c, timeout_s=120)
     tier = StorageTier("s3", backend, codec, host, batch_pages=backend.max_batch)
-    raw = S3Store(s["bucket"], endpoint=s["endpoint_url"], access_key_id=s["access_key_id"],
-                  secret_access_key=s["secret_access_key"], region="us-east-1",
-                  client_options={"allow_http": True, "timeout": "120s"})
+    raw = raw_store(s, S3Store)
     values = [b"\0" * HEADER_BYTES + saved[i].view(torch.uint8).numpy().tobytes() for i in range(n)]  # same bytes
     times: Times = {op: {"raw": [], "hicache": []} for op in ("write", "read")}
     async with tier:

@@ -178,17 +178,25 @@ class S3Server:
         return {"endpoint_url": self.endpoint_url, "bucket": self.bucket, "access_key_id": S3_ACCESS_KEY,
                 "secret_access_key": S3_SECRET_KEY, "timeout_s": 5.0, **extra}
 
+    def raw_store(self, **options: object):
+        """A plain obstore client of the bucket with the accepted identity (none of the AWS_* variables
+        of the environment mix in: the credential comes from a provider)."""
+        from obstore.store import S3Store
+
+        credential = {"access_key_id": S3_ACCESS_KEY, "secret_access_key": S3_SECRET_KEY, "token": None,
+                      "expires_at": None}
+        options = {"client_options": {"allow_http": True, "timeout": "5s"}, **options}
+        return S3Store(self.bucket, endpoint=self.endpoint_url, region="us-east-1",
+                       credential_provider=lambda: credential, **options)
+
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         """Until a signed write, read and delete of a probe object go through: the gateway can take a
         moment after its port opens (and the first volume after that), and a request sent too early
         can hang (hence the short per-request timeout)."""
         import obstore
-        from obstore.store import S3Store
 
-        store = S3Store(self.bucket, endpoint=self.endpoint_url, access_key_id=S3_ACCESS_KEY,
-                        secret_access_key=S3_SECRET_KEY, region="us-east-1",
-                        client_options={"allow_http": True, "timeout": "2s", "connect_timeout": "1s"},
-                        retry_config={"max_retries": 0})
+        store = self.raw_store(client_options={"allow_http": True, "timeout": "2s", "connect_timeout": "1s"},
+                               retry_config={"max_retries": 0})
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -46,10 +46,7 @@ def prefix() -> str:
 
 
 def raw_store(s3: S3Server):
-    from obstore.store import S3Store
-
-    return S3Store(s3.bucket, endpoint=s3.endpoint_url, access_key_id=S3_ACCESS_KEY, secret_access_key=S3_SECRET_KEY,
-                   region="us-east-1", client_options={"allow_http": True, "timeout": "5s"})
+    return s3.raw_store()
 
 
 def tier_config(tier: dict, device_pages: int = 64):
@@ -122,6 +119,10 @@ async def test_one_object_per_page_named_by_prefix_shard_and_key(s3: S3Server) -
 
 async def test_credentials_come_from_the_aws_environment(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = s3.settings(key_prefix=prefix())
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "someone-elses-token")  # explicit keys never mix with it
+    async with S3Backend(**settings) as b:
+        assert await b.set([key(1)], [page(1)]) == 1
+    monkeypatch.delenv("AWS_SESSION_TOKEN")
     del settings["access_key_id"], settings["secret_access_key"]
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", S3_ACCESS_KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET_KEY)
@@ -195,7 +196,7 @@ def result(proc: subprocess.Popen[str]) -> dict:
 def test_a_second_engine_process_reuses_the_first_ones_kv(s3: S3Server) -> None:
     """Two processes, one bucket; the credentials reach both through the standard AWS variables only."""
     tier = {"kind": "s3", "endpoint_url": s3.endpoint_url, "bucket": s3.bucket, "key_prefix": prefix(), "timeout_s": 5}
-    env = {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY}
+    env = {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY, "AWS_SESSION_TOKEN": ""}
     assert result(spawn(env, "store", json.dumps(tier), "0", "3")) == {"stored_pages": 18, "skipped_pages": 0,
                                                                        "failures": 0}
     checked = result(spawn(env, "check", json.dumps(tier), "0", "3"))  # computed nothing itself

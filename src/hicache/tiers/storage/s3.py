@@ -21,9 +21,10 @@ by the base class (the whole batch). A store that is down is a miss per call, co
 again once it answers. Wrong credentials are counted failures (``403``), never a crash.
 
 Secrets (``access_key_id``, ``secret_access_key``, ``session_token``) are ``SecretStr``: never in a
-repr, a log or a config dump. Unset, they are read from ``AWS_ACCESS_KEY_ID``,
-``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN`` when the backend opens. Without them the backend
-refuses to open: it never falls back to instance-metadata lookups.
+repr, a log or a config dump. Without ``access_key_id`` they are all read from ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN`` when the backend opens (never a key from one
+place and a token from the other). Without any the backend refuses to open (``ConfigError``): it
+never falls back to instance-metadata lookups.
 
     tiers:
       storage:
@@ -100,19 +101,21 @@ class S3Backend(StorageBackend):
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def _credentials(self) -> dict[str, str]:
-        out = {}
-        for field, env in _ENV.items():
-            value: SecretStr | None = getattr(self.settings, field)
-            secret = value.get_secret_value() if value is not None else os.environ.get(env, "")
-            if secret:
-                out[field] = secret
-        if "access_key_id" not in out or "secret_access_key" not in out:
+    def _credentials(self) -> dict[str, Any]:
+        """The credential: all from the settings when ``access_key_id`` is set there, else all from
+        the AWS variables (never a key from one and a session token from the other)."""
+        s = self.settings
+        if s.access_key_id is not None and s.access_key_id.get_secret_value():
+            found = {f: getattr(s, f).get_secret_value() if getattr(s, f) is not None else "" for f in _ENV}
+        else:
+            found = {f: os.environ.get(env, "") for f, env in _ENV.items()}
+        if not (found["access_key_id"] and found["secret_access_key"]):
             raise ConfigError(
                 "storage backend 's3': no credentials; set access_key_id and secret_access_key "
                 "(or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
             )
-        return out
+        return {"access_key_id": found["access_key_id"], "secret_access_key": found["secret_access_key"],
+                "token": found["session_token"] or None, "expires_at": None}
 
     async def _open(self) -> None:
         try:
@@ -121,7 +124,8 @@ class S3Backend(StorageBackend):
         except ImportError as exc:
             raise ConfigError(f"storage backend 's3' needs obstore ({exc}); pip install hicache[s3]") from exc
         s = self.settings
-        config: dict[str, Any] = {"region": s.region, **self._credentials()}
+        credential = self._credentials()
+        config: dict[str, Any] = {"region": s.region}
         client: dict[str, Any] = {
             "timeout": timedelta(seconds=s.timeout_s),
             "connect_timeout": timedelta(seconds=s.connect_timeout_s),
@@ -132,8 +136,14 @@ class S3Backend(StorageBackend):
         # One quick retry for a dropped connection, never past the call's own bound.
         retry = {"max_retries": 1, "retry_timeout": timedelta(seconds=s.timeout_s),
                  "backoff": {"init_backoff": timedelta(milliseconds=50), "max_backoff": timedelta(seconds=1)}}
-        # No request here: a store that is down now is a miss per call, used once it answers.
-        self._store = S3Store(s.bucket, config=config, client_options=client, retry_config=retry)
+        # No request here: a store that is down now is a miss per call, used once it answers. The
+        # credential goes through a provider: it never mixes with AWS_SESSION_TOKEN & co. from the
+        # environment, and stays out of the store's own config.
+        try:
+            self._store = S3Store(s.bucket, config=config, client_options=client, retry_config=retry,
+                                  credential_provider=lambda: credential)
+        except Exception as exc:  # obstore rejects the settings; its message names no secret
+            raise ConfigError(f"storage backend 's3': {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
         self._obs = obstore
 
     async def _aclose(self) -> None:
