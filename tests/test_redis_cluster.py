@@ -142,6 +142,19 @@ def test_a_cluster_prefix_with_a_hash_tag_is_refused() -> None:
         RedisBackend(url="redis://127.0.0.1:1/0", cluster=True, key_prefix="{all}")
 
 
+async def test_cluster_seeds_find_the_cluster_when_the_urls_node_is_down(cluster: ValkeyCluster) -> None:
+    from .servers import free_port
+
+    seeds = [f"127.0.0.1:{p}" for p in cluster.ports[1:]]
+    async with backend(cluster, cluster_seeds=seeds) as b:  # the url's node is up: seeds unused
+        assert await b.set([key(0)], [page(0)]) == 1
+    b = RedisBackend(url=f"redis://127.0.0.1:{free_port()}/0", cluster=True, key_prefix=b.settings.key_prefix,
+                     cluster_seeds=seeds, timeout_s=2.0)
+    async with b:  # nothing listens at the url: discovered through a seed
+        assert await b.exists([key(0)]) == 1
+        await b.clear()
+
+
 def spawn(*args: str) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen([sys.executable, "-m", "tests.remote_worker", *args], cwd=ROOT, env=env,
