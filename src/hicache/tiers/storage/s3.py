@@ -4,7 +4,8 @@ One object per page, ``{bucket}/{key_prefix}/{2 hex}/{key hex}``, holding the ca
 (header + checksum or MAC + payload): an S3 ``PUT`` replaces an object whole, so a reader sees the
 old page, the new one or a miss, never half of one. The client is ``obstore`` (Rust ``object_store``
 under asyncio), chosen by ``benchmarks/storage_s3.py`` over ``aiobotocore``: on the same bytes
-against the same SeaweedFS server it moved about 1.3x the bytes on ``PUT`` and 2x on ``GET``.
+against the same SeaweedFS server, ``GET`` moved about 2x the bytes (medians 1.91-2.08x over three
+runs) and ``PUT`` as much or more (0.91-1.58x; the server bounds it).
 
 * ``exists``: one ``HEAD`` per key, ``max_concurrency`` at a time, in key order; the first missing
   key stops the ones not yet sent (keys are chained: nothing after a gap is of use).
