@@ -1,9 +1,10 @@
 """File-tier write and cold-read throughput, as a ratio to the raw operation on the same bytes in the same run.
 
-Usage (``--backend redis`` / ``--backend mooncake`` run ``storage_redis.py`` / ``storage_mooncake.py``,
-the shared tiers' benchmarks, with the other arguments)::
+Usage (``--backend redis`` / ``mooncake`` / ``s3`` / ``redis-cluster`` run ``storage_redis.py`` /
+``storage_mooncake.py`` / ``storage_s3.py`` / ``storage_redis_cluster.py``, the shared tiers'
+benchmarks, with the other arguments)::
 
-    python benchmarks/storage.py [--backend file|redis|mooncake] [--pages 256] [--layers 30] [--heads 3] [--head-dim 64] [--page-size 64]
+    python benchmarks/storage.py [--backend file|redis|mooncake|s3|redis-cluster] [--pages 256] [--layers 30] [--heads 3] [--head-dim 64] [--page-size 64]
                                  [--dtype float32] [--repeat 3] [--dir DIR] [--host-layout page_first|layer_first]
                                  [--fsync always|never] [--tenant-key KEY] [--json out.json]
 
@@ -196,16 +197,18 @@ def summarize(times: dict[str, dict[str, list[float]]], op_bytes: int) -> dict[s
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The shared tiers have their own scripts (a server to start, a raw client to compare with);
-    # `--backend redis|mooncake` runs them with the remaining arguments.
+    # `--backend redis|mooncake|s3|redis-cluster` runs them with the remaining arguments.
     if "--backend" in argv:
         i = argv.index("--backend")
         backend, rest = argv[i + 1] if i + 1 < len(argv) else "", argv[:i] + argv[i + 2 :]
-        if backend in ("redis", "mooncake"):
+        scripts = {"redis": "storage_redis", "mooncake": "storage_mooncake", "s3": "storage_s3",
+                   "redis-cluster": "storage_redis_cluster"}
+        if backend in scripts:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
-            module = __import__(f"storage_{backend}")
+            module = __import__(scripts[backend])
             return module.main(rest)
         if backend != "file":
-            raise SystemExit(f"--backend must be file, redis or mooncake, got {backend!r}")
+            raise SystemExit(f"--backend must be file, {', '.join(scripts)}, got {backend!r}")
         argv = rest
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pages", type=int, default=256, help="pages written and read per repetition (default 256)")

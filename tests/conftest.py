@@ -61,7 +61,7 @@ def make_tokens(n: int, seed: int = 0, vocab: int = 50_000) -> list[int]:
 # -- real servers shared by the whole session (tests keep apart by key prefix) ----------------
 
 if TYPE_CHECKING:
-    from .servers import ServerProcess
+    from .servers import S3Server, ServerProcess, ValkeyCluster
 
 
 @pytest.fixture(scope="session")
@@ -82,3 +82,23 @@ def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]
     server, settings = start_mooncake(tmp_path_factory.mktemp("mooncake"))
     yield settings
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One real SeaweedFS S3 gateway (``weed mini``) on loopback for the session; tests keep apart by key prefix."""
+    from .servers import start_seaweedfs
+
+    server = start_seaweedfs(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
+    """One real three-primary Valkey cluster on loopback for the session; tests keep apart by key prefix."""
+    from .servers import start_valkey_cluster
+
+    cluster = start_valkey_cluster(tmp_path_factory.mktemp("valkey-cluster"))
+    yield cluster
+    cluster.stop()

@@ -22,7 +22,7 @@ from hicache.tiers.storage.file import FileBackend
 from hicache.tiers.storage.memory import MemoryBackend
 from hicache.tiers.storage.mooncake import MooncakeBackend
 from hicache.tiers.storage.redis import RedisBackend
-
+from hicache.tiers.storage.s3 import S3Backend
 
 PAYLOAD = 4096
 PAGE = HEADER_BYTES + PAYLOAD
@@ -30,10 +30,10 @@ PAGE = HEADER_BYTES + PAYLOAD
 BackendFactory = Callable[..., StorageBackend]
 
 
-@pytest.fixture(params=["memory", "file", "redis", "mooncake"])
+@pytest.fixture(params=["memory", "file", "redis", "mooncake", "s3", "redis-cluster"])
 def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
     """``factory(**settings)`` builds a fresh backend of this kind (file: in a per-test folder;
-    redis: under a per-test key prefix on the session's server)."""
+    redis, s3: under a per-test key prefix on the session's server or cluster)."""
     if request.param == "memory":
         return lambda **kw: MemoryBackend(**kw)
     if request.param == "redis":
@@ -41,6 +41,14 @@ def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFa
         prefix = f"t{uuid.uuid4().hex[:12]}"
         url = f"redis://127.0.0.1:{server.port}/0"
         return lambda **kw: RedisBackend(url=url, key_prefix=prefix, **kw)
+    if request.param == "redis-cluster":
+        cluster = request.getfixturevalue("valkey_cluster")
+        prefix = f"t{uuid.uuid4().hex[:12]}"
+        return lambda **kw: RedisBackend(url=cluster.url, cluster=True, key_prefix=prefix, **kw)
+    if request.param == "s3":
+        s3 = request.getfixturevalue("seaweedfs")
+        prefix = f"t{uuid.uuid4().hex[:12]}"
+        return lambda **kw: S3Backend(**s3.settings(key_prefix=prefix, **kw))
     if request.param == "mooncake":
         settings = request.getfixturevalue("mooncake_cluster")
         prefix = f"t{uuid.uuid4().hex[:12]}"

@@ -1,11 +1,12 @@
-"""``kind: redis``: pages in a Valkey or Redis server (or any server speaking its protocol).
+"""``kind: redis``: pages in a Valkey or Redis server, or spread over a Valkey/Redis Cluster.
 
 One value per page, holding the canonical page format (header + checksum + payload): a page is
 stored, replaced or lost whole, so the tier's verification sees either the page or a miss. Reads
-and writes of a batch go out as one pipeline over a pooled connection (``redis.asyncio`` with
-hiredis parsing). A key the server lost (evicted under ``maxmemory``, expired by ``ttl_s``, or gone
-with a restart) is simply a miss. The server is shared: ``clear`` removes only keys under
-``key_prefix``, and the password is a secret, never shown in stats, logs or config dumps.
+and writes of a batch go out as pipelines over pooled connections (``redis.asyncio`` with hiredis
+parsing). A key the server lost (evicted under ``maxmemory``, expired by ``ttl_s``, or gone with a
+restart) is simply a miss. The server is shared: ``clear`` removes only keys under ``key_prefix``
+(matched literally: glob characters in the prefix are escaped), and the password is a secret, never
+shown in stats, logs or config dumps.
 
     tiers:
       storage:
@@ -14,21 +15,46 @@ with a restart) is simply a miss. The server is shared: ``clear`` removes only k
           password: ${HICACHE_REDIS_PASSWORD}
           key_prefix: hicache
           ttl_s: 86400
+
+**Cluster** (``cluster: true``; ``url`` names any one node, ``cluster_seeds`` more of them): each
+page's key hashes to its own slot (no hash tags, so one prompt's pages spread over every shard, and
+a ``key_prefix`` with braces is refused). redis-py's cluster client keeps the slot map; a batch is
+split per primary and each part goes out as one pipeline on that node's own connection pool, all
+parts at once. Why not ``RedisCluster.pipeline()``: with one primary down it failed the whole batch
+of 30 keys after 3 s of retries (each of which closes every node's connections; redis-py 8.1,
+measured), where a cache wants that node's pages to be misses and the others served at once. A
+node that answers ``MOVED``/``ASK`` (slots migrated) or cannot be reached makes the next call
+refresh the slot map (at most once a second while a node stays down).
+``clear`` scans every primary. Set ``cluster-require-full-coverage no`` on the servers, so the other
+primaries keep serving while one is down.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from ...config import ByteSize
 from .base import BackendSettings, PageIO, StorageBackend
 from .lru_index import LruIndex
 
-__all__ = ["RedisBackend"]
+__all__ = ["RedisBackend", "scan_pattern"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between slot-map refreshes while a node stays unreachable.
+_REFRESH_INTERVAL_S = 1.0
+
+
+def scan_pattern(prefix: bytes) -> bytes:
+    """A ``SCAN MATCH`` pattern for the keys that start with ``prefix``, literally."""
+    return re.sub(rb"([\\*?\[\]])", rb"\\\1", prefix) + b"*"
 
 
 class RedisBackend(StorageBackend):
@@ -45,17 +71,34 @@ class RedisBackend(StorageBackend):
         # it to the server's own maxmemory policy).
         capacity: ByteSize | None = None
         ttl_s: int | None = Field(default=None, gt=0)  # expire pages after this long (None: never)
-        max_connections: int = Field(default=8, ge=1)
+        max_connections: int = Field(default=8, ge=1)  # per server (per node in a cluster)
         connect_timeout_s: float = Field(default=2.0, gt=0)
         tls_ca_file: str | None = None  # with a rediss:// url
         tls_cert_file: str | None = None
         tls_key_file: str | None = None
+        cluster: bool = False  # url is one node of a Valkey/Redis Cluster
+        cluster_seeds: list[str] = Field(default_factory=list)  # more "host:port" nodes to discover it from
+
+        @model_validator(mode="after")
+        def _cluster_keys_spread(self) -> RedisBackend.Settings:
+            if self.cluster and "{" in self.key_prefix and "}" in self.key_prefix:
+                raise ValueError("a cluster key_prefix cannot hold a {hash tag}: it would put every page on one shard")
+            if self.cluster_seeds and not self.cluster:
+                raise ValueError("cluster_seeds needs cluster: true")
+            for seed in self.cluster_seeds:
+                host, _, port = seed.rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"a cluster seed is 'host:port', got {seed!r}")
+            return self
 
     settings: Settings
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self._client: Any = None
+        self._client: Any = None  # one server: its client; a cluster: the cluster client (slot map)
+        self._nodes: dict[str, Any] = {}  # a cluster: node name -> that node's own client
+        self._options: dict[str, Any] = {}
+        self._refresh_at: float | None = None  # a cluster: refresh the slot map from this time on
         self._prefix = f"{self.settings.key_prefix}:".encode()
         self._index = LruIndex(self.settings.capacity)  # the pages this process knows are there
         self._staging = bytearray()  # values of the set in flight (see _stage)
@@ -64,76 +107,185 @@ class RedisBackend(StorageBackend):
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
+    # -- lifecycle ------------------------------------------------------------------------------
+
     async def _open(self) -> None:
         import redis.asyncio as redis  # an optional dependency: `pip install hicache[redis]`
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
         s = self.settings
-        options: dict[str, Any] = {
+        self._options = {
             "max_connections": s.max_connections,
             "socket_timeout": s.timeout_s,
             "socket_connect_timeout": s.connect_timeout_s,
             "username": s.username,
             "password": (s.password.get_secret_value() or None) if s.password is not None else None,
+            # One immediate retry (a pooled connection the server closed), no backoff sleeps: a
+            # server that is down must cost a miss, not seconds of waiting.
+            "retry": Retry(NoBackoff(), 1),
         }
         if s.url.startswith("rediss://"):
-            options |= {"ssl_ca_certs": s.tls_ca_file, "ssl_certfile": s.tls_cert_file, "ssl_keyfile": s.tls_key_file}
+            self._options |= {"ssl_ca_certs": s.tls_ca_file, "ssl_certfile": s.tls_cert_file,
+                              "ssl_keyfile": s.tls_key_file}
         # No round trip here: a server that is down now is a miss per call, and is used again
         # once it answers, without restarting the cache.
-        self._client = redis.Redis.from_url(s.url, **options)
+        if not s.cluster:
+            self._client = redis.Redis.from_url(s.url, **self._options)
+            return
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        seeds = [ClusterNode(host, int(port)) for host, _, port in (seed.rpartition(":") for seed in s.cluster_seeds)]
+        options = {k: v for k, v in self._options.items() if k != "retry"}
+        self._client = RedisCluster.from_url(s.url, startup_nodes=seeds or None, require_full_coverage=False,
+                                             **options)
 
     async def _aclose(self) -> None:
         client, self._client = self._client, None
+        nodes, self._nodes = self._nodes, {}
+        for node in nodes.values():
+            await node.aclose()
         if client is not None:
             await client.aclose()
 
+    # -- routing: one pipeline per server ---------------------------------------------------------
+
+    async def _route(self, names: Sequence[bytes]) -> tuple[dict[str, tuple[Any, list[int]]], list[object]]:
+        """``({node: (client, indices)}, results)``: where each name goes; a name no node serves
+        gets its error in ``results`` already."""
+        results: list[object] = [None] * len(names)
+        if not self.settings.cluster:
+            return {"server": (self._client, list(range(len(names))))}, results
+        cluster = self._client
+        if self._refresh_at is not None and time.monotonic() >= self._refresh_at:
+            self._refresh_at = None
+            await cluster.nodes_manager.initialize()
+        await cluster.initialize()  # the first call discovers the cluster; a no-op after
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        for i, name in enumerate(names):
+            try:
+                node = cluster.get_node_from_key(name)
+            except Exception as exc:  # SlotNotCoveredError: the slot map lost this slot
+                results[i] = exc
+                self._refresh_soon()
+                continue
+            if node.name not in groups:
+                groups[node.name] = (self._node_client(node), [])
+            groups[node.name][1].append(i)
+        return groups, results
+
+    def _node_client(self, node: Any) -> Any:
+        client = self._nodes.get(node.name)
+        if client is None:
+            import redis.asyncio as redis
+
+            options = dict(self._options)
+            if self.settings.url.startswith("rediss://"):
+                options["ssl"] = True
+            client = self._nodes[node.name] = redis.Redis(host=node.host, port=node.port, **options)
+        return client
+
+    def _refresh_soon(self, now: bool = False) -> None:
+        at = time.monotonic() + (0 if now else _REFRESH_INTERVAL_S)
+        self._refresh_at = at if self._refresh_at is None else min(self._refresh_at, at)
+
+    async def _pipelined(self, names: Sequence[bytes], command: Callable[[Any, int], None]) -> list[object]:
+        """``command(pipe, i)`` queues the command for ``names[i]``; one pipeline per node, all at
+        once. Each name's reply, or the exception that stood in its way."""
+        from redis.exceptions import AskError, ConnectionError, TimeoutError
+
+        groups, results = await self._route(names)
+
+        async def run(client: Any, indices: list[int]) -> None:
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for i in indices:
+                        command(pipe, i)
+                    replies = await pipe.execute(raise_on_error=False)
+            except Exception as exc:  # the node is unreachable (or the pipeline broke): all its names
+                replies = [exc] * len(indices)
+            for i, reply in zip(indices, replies, strict=True):
+                results[i] = reply
+                if isinstance(reply, AskError):  # MOVED too: the slots moved
+                    self._refresh_soon(now=True)
+                elif isinstance(reply, (ConnectionError, TimeoutError)) and self.settings.cluster:
+                    self._refresh_soon()
+
+        if len(groups) == 1:
+            (client, indices), = groups.values()
+            await run(client, indices)
+        else:
+            async with anyio.create_task_group() as tg:
+                for client, indices in groups.values():
+                    tg.start_soon(run, client, indices)
+        return results
+
+    def _leading(self, results: Sequence[object], ok: Callable[[object], bool], verb: str) -> int:
+        """How many results from the first are ``ok``. The error that ended them is raised when it
+        is the first (nothing to show for the call), else counted and logged: in a cluster the pages
+        before it, on other nodes, are still of use."""
+        n = 0
+        for r in results:
+            if isinstance(r, BaseException) or not ok(r):
+                break
+            n += 1
+        if n < len(results) and isinstance(results[n], BaseException):
+            exc = results[n]
+            if n == 0:
+                raise exc
+            self._errors += 1
+            log.debug("redis %s: %d of %d pages, then %r", verb, n, len(results), exc)
+        return n
+
+    # -- the three operations -------------------------------------------------------------------
+
     async def _exists(self, keys: Sequence[bytes]) -> int:
-        async with self._client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.exists(self._key(key))
-            found = await pipe.execute()
-        n = _leading(bool(x) for x in found)
+        names = [self._key(k) for k in keys]
+        found = await self._pipelined(names, lambda pipe, i: pipe.exists(names[i]))
+        n = self._leading(found, bool, "exists")
         if n < len(keys):
             self._index.forget(keys[n])
         return n
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
-        async with self._client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.get(self._key(key))
-            values = await pipe.execute()
-        for i, (key, blob, io) in enumerate(zip(keys, values, into, strict=True)):
-            if blob is None or len(blob) != io.nbytes:
-                self._index.forget(key)
-                return i  # lost, or not a page of this size: a miss from here on
-            view = memoryview(blob)
+        names = [self._key(k) for k in keys]
+        values = await self._pipelined(names, lambda pipe, i: pipe.get(names[i]))
+        # A value that is lost, or not a page of this size, is a miss from there on.
+        n = self._leading(values, lambda blob: blob is not None, "get")
+        for i in range(n):
+            blob, io = values[i], into[i]
+            if len(blob) != io.nbytes:  # type: ignore[arg-type]
+                n = i
+                break
+            view = memoryview(blob)  # type: ignore[arg-type]
             pos = 0
             for buf in io.buffers():
                 buf[:] = view[pos : pos + len(buf)]
                 pos += len(buf)
-            self._index.remember(key, len(blob))
-        return len(keys)
+            self._index.remember(keys[i], io.nbytes)
+        if n < len(keys):
+            self._index.forget(keys[n])
+        return n
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
         ttl = self.settings.ttl_s
         fits, victims = self._index.plan(keys, [io.nbytes for io in pages])
-        async with self._set_lock, self._client.pipeline(transaction=False) as pipe:
+        async with self._set_lock:
             if victims:
-                pipe.unlink(*(self._key(k) for k in victims))
-            for key, value in zip(keys[:fits], self._stage(pages[:fits]), strict=True):
-                pipe.set(self._key(key), value, ex=ttl)
+                # One UNLINK per key: a cluster refuses multi-key commands across slots.
+                gone = [self._key(k) for k in victims]
+                await self._pipelined(gone, lambda pipe, i: pipe.unlink(gone[i]))
+                for key in victims:
+                    self._index.forget(key)
+                self.evicted_pages += len(victims)
+            names = [self._key(k) for k in keys[:fits]]
+            values = self._stage(pages[:fits])
             # The transport sends or copies every value before execute() returns: the staging
             # buffer is free again for the next call.
-            results = await pipe.execute(raise_on_error=False)
-        for key in victims:
-            self._index.forget(key)
-        self.evicted_pages += len(victims)
-        done = _leading(ok is True for ok in results[1 if victims else 0 :])
+            results = await self._pipelined(names, lambda pipe, i: pipe.set(names[i], values[i], ex=ttl))
+        done = self._leading(results, lambda ok: ok is True, "set")
         for key, io in zip(keys[:done], pages[:done], strict=True):
             self._index.remember(key, io.nbytes)
-        if done < fits:
-            failed = next(r for r in results[1 if victims else 0 :] if r is not True)
-            if isinstance(failed, Exception):
-                raise failed  # counted as an error; the pages before it are stored
         return done
 
     def _stage(self, pages: Sequence[PageIO]) -> list[memoryview]:
@@ -156,33 +308,52 @@ class RedisBackend(StorageBackend):
         return values
 
     async def _delete(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            await self._client.unlink(*(self._key(k) for k in keys))
-            for key in keys:
-                self._index.forget(key)
+        if not keys:
+            return
+        names = [self._key(k) for k in keys]
+        if self.settings.cluster:
+            results = await self._pipelined(names, lambda pipe, i: pipe.unlink(names[i]))
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+        else:
+            await self._client.unlink(*names)
+        for key in keys:
+            self._index.forget(key)
+
+    async def scan_keys(self) -> AsyncIterator[bytes]:
+        """The names of every page under ``key_prefix``, from every primary of a cluster."""
+        if self.settings.cluster:
+            await self._client.initialize()
+            clients = [self._node_client(node) for node in self._client.get_primaries()]
+        else:
+            clients = [self._client]
+        for client in clients:
+            async for name in client.scan_iter(match=scan_pattern(self._prefix), count=1000):
+                yield name
 
     async def _clear(self) -> None:
         """Remove this prefix's pages only: the server may hold other data."""
         batch: list[bytes] = []
-        async for name in self._client.scan_iter(match=self._prefix + b"*", count=1000):
+
+        async def unlink() -> None:
+            if self.settings.cluster:  # names of many slots: one UNLINK each, pipelined per node
+                results = await self._pipelined(batch, lambda pipe, i: pipe.unlink(batch[i]))
+                failed = next((r for r in results if isinstance(r, BaseException)), None)
+                if failed is not None:
+                    raise failed
+            else:
+                await self._client.unlink(*batch)
+            batch.clear()
+
+        async for name in self.scan_keys():
             batch.append(name)
             if len(batch) >= 1000:
-                await self._client.unlink(*batch)
-                batch.clear()
+                await unlink()
         if batch:
-            await self._client.unlink(*batch)
+            await unlink()
         self._index.clear()
 
     def _usage(self) -> tuple[int, int | None, int]:
         """What this process knows is stored (the server may hold more, written by others)."""
         return self._index.used, self.settings.capacity, len(self._index)
-
-
-def _leading(flags: Any) -> int:
-    """How many flags, from the first, are true."""
-    n = 0
-    for flag in flags:
-        if not flag:
-            break
-        n += 1
-    return n

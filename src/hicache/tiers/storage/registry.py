@@ -31,6 +31,7 @@ BUILTIN_BACKENDS = {
     "file": "hicache.tiers.storage.file:FileBackend",
     "redis": "hicache.tiers.storage.redis:RedisBackend",  # needs the `redis` extra
     "mooncake": "hicache.tiers.storage.mooncake:MooncakeBackend",  # needs the `mooncake` extra
+    "s3": "hicache.tiers.storage.s3:S3Backend",  # needs the `s3` extra
 }
 
 
