@@ -32,7 +32,7 @@ from typing import Any
 
 __all__ = ["socket_path", "ChannelClient", "encode", "MAX_FRAME"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 MAX_FRAME = 64 << 20  # a lookup of 1M tokens is ~8 MB of JSON
 _HEADER = struct.Struct(">I")

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HiCacheConnector"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 
 class HiCacheConnector(KVConnectorBase_V1):

@@ -29,7 +29,7 @@ from .metadata import HiCacheMetadata, LoadSpec, SaveSpec
 
 __all__ = ["SchedulerSide"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 
 @dataclass

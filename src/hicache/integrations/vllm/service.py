@@ -35,7 +35,7 @@ from .metadata import LoadSpec, SaveSpec
 
 __all__ = ["CacheService", "StepLeases", "ConnectorCounters"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 _RECORDS = 100_000  # per-request load records kept for tools (oldest dropped)
 
@@ -127,14 +127,17 @@ class CacheService(anyio.AsyncContextManagerMixin):
                     return
                 try:
                     reply = await self.handle(message)
-                except HiCacheError as exc:
+                except (HiCacheError, TimeoutError, LookupError, TypeError, ValueError) as exc:
+                    # a bad message or a failed call answers an error; it never ends the service
                     reply = {"error": f"{type(exc).__name__}: {exc}"}
                 try:
                     await stream.send(encode(reply))
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     return
 
-    async def handle(self, message: dict[str, Any]) -> dict[str, Any]:
+    async def handle(self, message: Any) -> dict[str, Any]:
+        if not isinstance(message, dict):
+            raise TypeError("a message is a JSON object")
         op = message.get("op")
         if op == "lookup":
             return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
@@ -143,6 +146,10 @@ class CacheService(anyio.AsyncContextManagerMixin):
             return {}
         if op == "stats":
             return self.stats()
+        if op == "wait_idle":
+            with anyio.fail_after(float(message.get("timeout_s", 60))):
+                await self._cache.wait_idle()
+            return {}
         return {"error": f"unknown op {op!r}"}
 
     # -- scheduler requests ---------------------------------------------------------------------

@@ -32,7 +32,7 @@ from ...errors import ConfigError, UnsupportedModelError
 
 __all__ = ["EXTRA_KEYS", "cache_config_for", "weights_fingerprint"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 EXTRA_KEYS = ("config", "overrides", "staging_tokens")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -26,7 +26,7 @@ from .service import CacheService, StepLeases
 
 __all__ = ["WorkerSide"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 
 @dataclass
