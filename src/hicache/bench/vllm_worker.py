@@ -82,9 +82,9 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
         base_records = set((channel.call({"op": "stats"}) or {}).get("requests", {}))
     rng = random.Random(spec["seed"])
     ready = list(conversations)
-    in_flight: dict[str, tuple[Any, list[int], int, float]] = {}
+    in_flight: dict[str, tuple[Any, int, list[int], int, float]] = {}
     seen = _Seen()
-    done: list[tuple[str, Any, list[int], int, float, float, Any]] = []
+    done: list[tuple[str, Any, int, list[int], int, float, float, Any]] = []
     bar = None
     if spec.get("progress", True):
         from tqdm import tqdm
@@ -100,14 +100,14 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
             seen.add(prompt)
             rid = f"c{conv.id}_r{conv.turn}"
             engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
-            in_flight[rid] = (conv, prompt, ideal, time.perf_counter() - started)
+            in_flight[rid] = (conv, conv.rounds[conv.turn], prompt, ideal, time.perf_counter() - started)
         for out in engine.step():
             if not out.finished or out.request_id not in in_flight:
                 continue
-            conv, prompt, ideal, arrival = in_flight.pop(out.request_id)
+            conv, round_, prompt, ideal, arrival = in_flight.pop(out.request_id)
             output = list(out.outputs[0].token_ids)
             finished = time.perf_counter() - started
-            done.append((out.request_id, conv, prompt, ideal, arrival, finished, out))
+            done.append((out.request_id, conv, round_, prompt, ideal, arrival, finished, out))
             seen.add(prompt + output)
             conv.advance(prompt, output)
             if not conv.done:
@@ -123,7 +123,7 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
         channel.call({"op": "wait_idle"})
         stats = channel.call({"op": "stats"})
         loads = {k: v for k, v in (stats or {}).get("requests", {}).items() if k not in base_records}
-    records = [_record(rid, conv, prompt, ideal, arrival, finished, out, loads) for rid, conv, prompt, ideal, arrival, finished, out in done]
+    records = [_record(*entry, loads) for entry in done]
     return {
         "configuration": spec["configuration"],
         "wall_s": wall,
@@ -134,8 +134,8 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _record(rid: str, conv: Any, prompt: list[int], ideal: int, arrival: float, finished: float, out: Any,
-            loads: dict[str, Any]) -> Record:
+def _record(rid: str, conv: Any, round_: int, prompt: list[int], ideal: int, arrival: float, finished: float,
+            out: Any, loads: dict[str, Any]) -> Record:
     m = out.metrics
     output = list(out.outputs[0].token_ids)
     cached = int(out.num_cached_tokens or 0)
@@ -148,7 +148,7 @@ def _record(rid: str, conv: Any, prompt: list[int], ideal: int, arrival: float, 
     itl = [(m.last_token_ts - m.first_token_ts) / (n - 1)] * (n - 1) if n > 1 else []
     return Record(
         conversation=conv.id,
-        round=conv.rounds[conv.turn - 1],
+        round=round_,
         prompt_tokens=len(prompt),
         cached_tokens=cached,
         ideal_tokens=ideal,

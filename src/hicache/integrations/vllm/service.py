@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack, asynccontextmanager
 from enum import Enum
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import SocketStream
@@ -31,7 +31,9 @@ from ...controller.prefetch import Prefetch
 from ...errors import HiCacheError
 from ...leases import RetrieveView, SlotReservation
 from .channel import MAX_FRAME, encode
-from .metadata import LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from .metadata import LoadSpec, SaveSpec
 
 __all__ = ["CacheService", "StepLeases", "ConnectorCounters"]
 
