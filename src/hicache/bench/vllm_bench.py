@@ -55,6 +55,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM's KV memory / workload KV")
     g.add_argument("--host-fraction", type=float, default=0.5,
                    help="hicache memory (staging device pool + host tier) / workload KV")
+    g.add_argument("--staging-tokens", type=int, default=0,
+                   help="hicache's staging device pool (default: max_model_len + one block); taken from the "
+                        "--host-fraction budget")
     g.add_argument("--block-size", type=int, default=128, help="vLLM's block size (the CPU backend: multiples of 32)")
     g.add_argument("--vllm-mode", choices=["single", "multi"], default="single",
                    help="single: one process; multi: vLLM's default engine-core and worker processes")
@@ -88,7 +91,8 @@ def _sizes(args: argparse.Namespace, workload: MultiTurn, geo: dict[str, int]) -
     page_bytes = bs * geo["token_bytes"]
     # hicache's memory is --host-fraction of the workload's KV in all: the staging device pool (the
     # largest load plus a block of saves) and the host tier, which gets the rest.
-    staging = max_model_len + bs
+    staging = args.staging_tokens or max_model_len + bs
+    staging = math.ceil(staging / bs) * bs
     host_pages = max(1, math.ceil(kv_tokens * args.host_fraction / bs) - staging // bs)
     return {
         "kv_tokens": kv_tokens,
