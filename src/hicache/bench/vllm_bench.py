@@ -54,7 +54,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM's KV memory / workload KV")
     g.add_argument("--host-fraction", type=float, default=0.5,
-                   help="hicache memory (staging device pool + host tier) / workload KV")
+                   help="hicache memory (staging device pool + host tier) / workload KV; the host tier "
+                        "gets at least max_model_len plus a block")
     g.add_argument("--staging-tokens", type=int, default=0,
                    help="hicache's staging device pool (default: max_model_len + one block); taken from the "
                         "--host-fraction budget")
@@ -90,10 +91,12 @@ def _sizes(args: argparse.Namespace, workload: MultiTurn, geo: dict[str, int]) -
     blocks = max(math.ceil(kv_tokens * args.kv_fraction / bs), max_model_len // bs)
     page_bytes = bs * geo["token_bytes"]
     # hicache's memory is --host-fraction of the workload's KV in all: the staging device pool (the
-    # largest load plus a block of saves) and the host tier, which gets the rest.
+    # largest load plus a block of saves) and the host tier, which gets the rest, but at least one
+    # max_model_len plus a block: a prefix fetched from the file tier passes through the host tier
+    # whole before it is loaded, and a smaller host tier cuts such loads short (recomputed).
     staging = args.staging_tokens or max_model_len + bs
     staging = math.ceil(staging / bs) * bs
-    host_pages = max(1, math.ceil(kv_tokens * args.host_fraction / bs) - staging // bs)
+    host_pages = max(math.ceil(kv_tokens * args.host_fraction / bs) - staging // bs, max_model_len // bs + 1)
     return {
         "kv_tokens": kv_tokens,
         "max_model_len": max_model_len,

@@ -37,7 +37,6 @@ class _Tracked:
     request: Any  # vllm.v1.request.Request
     block_ids: list[int]
     stored_pages: int  # leading pages hicache holds (found by the lookup or saved since)
-    load_tokens: int = 0  # external tokens to load in the request's first step
 
 
 class SchedulerSide:
@@ -74,19 +73,15 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
         self._pending[request.request_id] = num_external_tokens
-        tracked = self._tracked.get(request.request_id)
-        if tracked is not None:  # rescheduled after a preemption: plan from scratch
-            del self._tracked[request.request_id]
+        # (Re)scheduled from the waiting queue, maybe after a preemption: plan from scratch.
         self._tracked[request.request_id] = _Tracked(
             request=request,
             block_ids=[],
             stored_pages=self._hits.pop(request.request_id, 0) // self.page_size,
-            load_tokens=num_external_tokens,
         )
 
     def build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         meta = HiCacheMetadata()
-        ps = self.page_size
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)

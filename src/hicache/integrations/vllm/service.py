@@ -251,7 +251,12 @@ class CacheService(anyio.AsyncContextManagerMixin):
         finally:
             self.open_steps -= 1
 
-    def record_load(self, req_id: str, tokens: int, by_tier: dict[str, int], failed: int) -> None:
+    def record_loads(self, records: list[tuple[str, int, dict[str, int], int]]) -> None:
+        """Count a step's loads: ``(request, tokens loaded, tokens by tier, tokens that failed)``."""
+        for req_id, tokens, by_tier, failed in records:
+            self._record_load(req_id, tokens, by_tier, failed)
+
+    def _record_load(self, req_id: str, tokens: int, by_tier: dict[str, int], failed: int) -> None:
         c = self.counters
         c.loads += 1
         c.loaded_tokens += tokens

@@ -20,6 +20,7 @@ import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ...config import HiCacheConfig
+from ...errors import HiCacheError
 from .layout import BlockLayout, PageMap
 from .metadata import HiCacheMetadata, LoadSpec
 from .service import CacheService, StepLeases
@@ -108,7 +109,15 @@ class WorkerSide:
         self._step = step
         if not meta.loads and not meta.saves:
             return
-        step.leases = self._portal.call(self._service.open_step, meta.loads, meta.saves)
+        try:
+            step.leases = self._portal.call(self._service.open_step, meta.loads, meta.saves)
+        except HiCacheError as exc:  # the cache closed or a worker of it failed: vLLM recomputes
+            log.error("hicache: step not served: %r", exc)
+            for spec in meta.loads:
+                self._fail(step, spec, spec.first_page)
+            self._errors |= step.failed_blocks
+            self._step = None
+            return
         ps = self.layout.page_size
         for spec, view in zip(meta.loads, step.leases.views):
             got = 0 if view is None else min(view.tokens // ps, spec.end_page)
@@ -175,14 +184,17 @@ class WorkerSide:
             self._portal.call(service.close_step, step.leases)
         ps = self.layout.page_size
         loaded = {spec.req_id: (spec, m, v) for spec, m, v in step.loads}
+        records = []
         for spec in step.meta.loads:
             entry = loaded.get(spec.req_id)
             tokens = 0 if entry is None or spec.req_id in step.failed_reqs else entry[1].size * ps
             by_tier = _attribute(entry[2].by_tier, spec.first_page * ps, tokens) if tokens else {}
             failed = (spec.end_page - spec.first_page) * ps - tokens
-            service.record_load(spec.req_id, tokens, by_tier, failed)
+            records.append((spec.req_id, tokens, by_tier, failed))
             if tokens:
                 log.info("hicache: loaded %d tokens for %s %s", tokens, spec.req_id, by_tier)
+        if records:
+            self._portal.call(service.record_loads, records)  # on the loop thread, like every other change
         self._errors |= step.failed_blocks
 
     def take_errors(self) -> set[int]:
