@@ -122,6 +122,11 @@ class WorkerSide:
         for spec, view in zip(meta.loads, step.leases.views):
             got = 0 if view is None else min(view.tokens // ps, spec.end_page)
             if got < spec.end_page:
+                log.info(
+                    "hicache: load for %s came up short: %d of pages %d..%d (%s); vLLM recomputes the rest",
+                    spec.req_id, max(got - spec.first_page, 0), spec.first_page, spec.end_page,
+                    "no view" if view is None else dict(view.by_tier),
+                )
                 self._fail(step, spec, max(got, spec.first_page))
             if view is not None and got > spec.first_page:
                 pages = view.device_pages[spec.first_page : got]
