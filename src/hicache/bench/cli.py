@@ -1,4 +1,4 @@
-"""``hicache bench multiturn|long-context``: run the configurations on one trace, compare them.
+"""``hicache bench multiturn|long-context|vllm``: run the configurations on one trace, compare them.
 
 Each configuration runs in its own process (``hicache.bench.worker``), in the order given; the
 parent prints the table, writes ``results.json`` and ``plot.png`` into ``--out``.
@@ -22,6 +22,8 @@ from typing import Any
 from .models import MODELS
 from .report import check_targets, format_rounds, format_table, outputs_of, plot, summarise
 from .scenarios import CONFIGURATIONS, Sizing
+from .vllm_bench import add_parser as add_vllm_parser
+from .vllm_bench import run_vllm_benchmark
 from .worker import RunSpec
 from .workloads import LongContext, MultiTurn
 
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--question-length", type=int, default=LongContext.question_len)
     g.add_argument("--output-length", type=int, default=LongContext.output_len)
     _common(lc)
+    add_vllm_parser(sub)  # `hicache bench vllm`: the same multi-turn trace through vLLM (vllm_bench.py)
     return parser
 
 
@@ -195,6 +198,9 @@ def _run_worker(spec: RunSpec) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    run_benchmark(args)
+    if args.benchmark == "vllm":
+        run_vllm_benchmark(args)
+    else:
+        run_benchmark(args)
     return 0
 

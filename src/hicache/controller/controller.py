@@ -47,9 +47,9 @@ from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
 from ..tiers.storage.tier import StorageTier
 from .evictor import Evictor
-from .residency import Residency
 from .jobs import BackupJob, JobTracker, LoadEntry, LoadJob, StorageJob
 from .prefetch import Prefetcher
+from .residency import Residency
 from .storage_writer import StorageWriter
 
 __all__ = ["CacheController", "Insertion"]

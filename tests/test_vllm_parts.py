@@ -1,0 +1,146 @@
+"""The vLLM connector's parts that need no vLLM: the block<->page copies, the config it derives
+from vLLM's model config, and the side channel to the worker (a real socket, a real cache).
+
+The end-to-end tests with vLLM itself are in tests/vllm (run in .venv-vllm by `make test`)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from anyio.from_thread import start_blocking_portal
+
+from hicache import ConfigError, UnsupportedModelError, load_config
+from hicache.integrations.vllm.channel import ChannelClient, encode, socket_path
+from hicache.integrations.vllm.layout import BlockLayout
+from hicache.integrations.vllm.service import CacheService
+from hicache.integrations.vllm.settings import cache_config_for, weights_fingerprint
+
+from .conftest import make_kv, make_tokens
+
+# -- layout ----------------------------------------------------------------------------------------
+
+
+def _token_kv(kv: torch.Tensor, block: int, offset: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one token slot, read the way vLLM's CPU attention reads its layer (K rows, then V rows)."""
+    rows = kv.view(kv.shape[0], kv.shape[1], 2 * bs, -1)  # [num_blocks, H, 2 * block_size, D]
+    return rows[block, :, offset], rows[block, :, bs + offset]
+
+
+@pytest.mark.parametrize("page_size", [128, 32])
+def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_exactly(page_size: int) -> None:
+    bs, heads, dim, nb = 128, 3, 8, 9
+    layout = BlockLayout(block_size=bs, page_size=page_size, num_kv_heads=heads, head_dim=dim)
+    gen = torch.Generator().manual_seed(0)
+    vllm_layer = torch.randn((nb, heads, bs, 2 * dim), generator=gen)
+    layout.check_layer("model.layers.0.self_attn.attn", vllm_layer)
+    block_ids = [7, 2, 5]  # the request's blocks, in token order
+    num_pages = 3 * bs // page_size
+    pool = torch.zeros((2, 10 + num_pages, page_size, heads, dim))  # one layer of the device pool
+    pool_pages = list(range(10, 10 + num_pages))[::-1]  # any pages, any order
+    m = layout.page_map(block_ids, 0, pool_pages)
+    layout.save(vllm_layer, pool, m)
+    for t in (0, 1, page_size - 1, page_size, bs + 5, 3 * bs - 1):
+        k, v = _token_kv(vllm_layer, block_ids[t // bs], t % bs, bs)
+        page, off = pool_pages[t // page_size], t % page_size
+        assert torch.equal(pool[0, page, off], k) and torch.equal(pool[1, page, off], v)
+    # Load pages 1.. of the request back into fresh blocks: exactly their slots change.
+    target = torch.zeros_like(vllm_layer)
+    first = bs // page_size  # from the second block on
+    layout.load(pool, target, layout.page_map(block_ids, first, pool_pages[first:]))
+    assert torch.equal(target[block_ids[1]], vllm_layer[block_ids[1]])
+    assert torch.equal(target[block_ids[2]], vllm_layer[block_ids[2]])
+    assert not target[block_ids[0]].any() and not target[0].any()
+
+
+def test_a_page_size_that_does_not_divide_the_block_size_or_a_foreign_layout_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match="must divide"):
+        BlockLayout(block_size=128, page_size=48, num_kv_heads=2, head_dim=8)
+    layout = BlockLayout(block_size=128, page_size=64, num_kv_heads=2, head_dim=8)
+    with pytest.raises(UnsupportedModelError, match="expected a contiguous"):
+        layout.check_layer("x", torch.zeros((4, 2, 2, 128, 8)))  # another backend's [blocks, 2, ...] layout
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+def _vllm_config(model: str, *, block_size: int = 128, mla: bool = False, revision: str | None = None) -> Any:
+    mc = SimpleNamespace(
+        model=model, revision=revision, dtype=torch.float32, quantization=None, use_mla=mla, is_hybrid=False,
+        is_attention_free=False, max_model_len=1024,
+        get_sliding_window=lambda: None, get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2,
+        get_head_size=lambda: 8,
+    )
+    return SimpleNamespace(
+        model_config=mc,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=512),
+    )
+
+
+def test_the_namespace_comes_from_vllms_model_config_and_the_weights_fingerprint(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights v1")
+    cfg = cache_config_for(_vllm_config(str(model)), {"overrides": {"tiers": {"host": {"capacity": "8MiB"}}}})
+    m = cfg.model
+    assert (m.name, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype) == (str(model), 4, 2, 8, "float32")
+    assert m.revision == f"xxh3-128:{weights_fingerprint(model)}"
+    assert cfg.page_size == 128  # follows vLLM's block size
+    # Staging: max_model_len + max_num_batched_tokens tokens of device pages.
+    assert cfg.tiers.device.capacity == (1024 + 512) // 128 * cfg.page_bytes
+    (model / "model.safetensors").write_bytes(b"weights v2")
+    assert cache_config_for(_vllm_config(str(model))).model.revision != m.revision  # other weights, other keys
+    pinned = cache_config_for(_vllm_config(str(model)), {"overrides": {"model": {"revision": "release-7"}}})
+    assert pinned.model.revision == "release-7"
+    assert cache_config_for(_vllm_config("org/hub-model", revision="abc123")).model.revision == "abc123"
+
+
+def test_page_size_extra_keys_and_unsupported_models_are_checked(tmp_path: Path) -> None:
+    vc = _vllm_config(str(tmp_path))
+    assert cache_config_for(vc, {"overrides": {"page_size": 32}}).page_size == 32
+    with pytest.raises(ConfigError, match="must divide"):
+        cache_config_for(vc, {"overrides": {"page_size": 48}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        cache_config_for(vc, {"confg": "x.yaml"})
+    with pytest.raises(UnsupportedModelError, match="MLA"):
+        cache_config_for(_vllm_config(str(tmp_path), mla=True))
+
+
+# -- side channel ----------------------------------------------------------------------------------
+
+
+def test_the_scheduler_learns_what_the_worker_holds_over_the_channel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    config = load_config(overrides={
+        "model": {"name": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
+        "page_size": 4, "tiers": {"device": {"capacity": "64KiB", "device": "cpu"}, "host": {"capacity": "64KiB"}},
+    }, env={})
+    path = socket_path("engine-1")
+    assert path == socket_path("engine-1") != socket_path("engine-2")
+    tokens = make_tokens(40)
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(CacheService(config, path)) as service:
+        client = ChannelClient(path, timeout_s=5)
+        assert client.call({"op": "lookup", "req": "a", "tokens": tokens, "prefetch": True}) == {
+            "tokens": 0, "by_tier": {"device": 0, "host": 0}}
+        portal.call(service.cache.store, tokens[:32], make_kv(config, 32))
+        reply = client.call({"op": "lookup", "req": "a", "tokens": tokens, "prefetch": False})
+        assert reply is not None and reply["tokens"] == 32
+        # A bad message is answered with an error (a miss for the caller); the service goes on.
+        assert client.call({"op": "lookup", "req": "a", "tokens": [-1]}) is None
+        raw = socket.socket(socket.AF_UNIX)
+        raw.connect(path)
+        raw.sendall(encode({"op": "nonsense"})[:3])  # a torn frame, then the peer leaves
+        raw.close()
+        stats = client.call({"op": "stats"})
+        assert stats is not None and stats["connector"]["lookups"] == 2 and stats["open_steps"] == 0
+        client.close()
+    # The worker is gone: the call fails within its bound and is a miss, never an exception.
+    gone = ChannelClient(path, timeout_s=1, connect_timeout_s=0.2)
+    assert gone.call({"op": "stats"}) is None and gone.failures == 1
+    assert not Path(path).exists()

@@ -1,0 +1,127 @@
+"""Runs one vLLM engine through a list of phases: ``python -m tests.vllm.engine_run SPEC.json OUT.json``.
+
+Each test scenario is its own process (vLLM keeps process-wide state: the KV connector group,
+the distributed environment), started by ``test_vllm_connector.py``. The spec says the mode
+(``single``: one process; ``multi``: vLLM's default engine-core and worker processes), the
+connector's extra config (none: vLLM alone) and the phases; the results go to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def _llm(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = None
+    if spec.get("connector") is not None:
+        ktc = KVTransferConfig(
+            kv_connector="HiCacheConnector",
+            kv_connector_module_path="hicache.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["connector"],
+        )
+    kwargs: dict[str, Any] = {}
+    if spec["mode"] == "single":
+        kwargs["distributed_executor_backend"] = "uni"
+    return LLM(
+        model=spec["model_dir"],
+        dtype="float32",
+        max_model_len=spec.get("max_model_len", 1024),
+        max_num_seqs=spec.get("max_num_seqs", 4),
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
+        disable_log_stats=False,
+        kv_transfer_config=ktc,
+        **kwargs,
+    )
+
+
+def _channel(llm: Any) -> Any:
+    from hicache.integrations.vllm import ChannelClient, socket_path
+
+    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    return ChannelClient(socket_path(engine_id))
+
+
+def _generate(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0)
+    outs = []
+    for prompt in phase["prompts"]:  # one at a time: each sees what the previous stored
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        outs.append({
+            "tokens": list(out.outputs[0].token_ids),
+            "cached": out.num_cached_tokens or 0,
+            "ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
+        })
+    return {"outputs": outs}
+
+
+def _abort_while_prefetching(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
+    """A long request holds the only slot; the victim is queued (its lookup starts a prefetch from
+    a slow storage tier), then aborted while that prefetch is in flight."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    channel = _channel(llm)
+    engine.add_request("long", {"prompt_token_ids": phase["long"]}, SamplingParams(max_tokens=8, temperature=0))
+    engine.step()
+    engine.add_request("victim", {"prompt_token_ids": phase["victim"]}, SamplingParams(max_tokens=4, temperature=0))
+    engine.step()
+    before = channel.call({"op": "stats"})
+    engine.abort_request(["victim"])
+    after = channel.call({"op": "stats"})
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"before": before, "after": after}
+
+
+def _check_consistent(llm: Any) -> dict[str, Any]:
+    """Single-process only: hicache's page accounting once background work has settled."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tests.helpers import assert_consistent
+
+    worker = get_kv_transfer_group().worker
+    worker.portal.call(worker.service.cache.wait_idle)
+    worker.portal.call(lambda: assert_consistent(worker.service.cache))
+    return {"consistent": True, "open_steps": worker.service.open_steps}
+
+
+def main() -> int:
+    spec = json.loads(open(sys.argv[1]).read())
+    started = time.perf_counter()
+    llm = _llm(spec)
+    results: list[dict[str, Any]] = []
+    for phase in spec["phases"]:
+        kind = phase["kind"]
+        if kind == "generate":
+            results.append(_generate(llm, phase))
+        elif kind == "reset_prefix_cache":
+            results.append({"reset": bool(llm.reset_prefix_cache())})
+        elif kind == "stats":  # after the writes queued so far have landed
+            channel = _channel(llm)
+            channel.call({"op": "wait_idle"})
+            results.append(channel.call({"op": "stats"}) or {})
+        elif kind == "abort_while_prefetching":
+            results.append(_abort_while_prefetching(llm, phase))
+        elif kind == "check_consistent":
+            results.append(_check_consistent(llm))
+        else:
+            raise SystemExit(f"unknown phase {kind!r}")
+    with open(sys.argv[2], "w") as f:
+        json.dump({"phases": results, "wall_s": time.perf_counter() - started}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
