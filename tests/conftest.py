@@ -14,6 +14,8 @@ torch.set_num_threads(1)
 
 from hicache import HiCacheConfig, load_config  # noqa: E402
 
+from .fuzz import conftest as _fuzz_profiles  # noqa: E402,F401 - registers --hypothesis-profile=long
+
 # Small geometry so page copies are cheap: 4 layers, 2 KV heads, head_dim 8, 4-token pages.
 SMALL = {
     "model": {"name": "test-model", "num_layers": 4, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},

@@ -36,3 +36,16 @@ async def push_to_storage(cache: HiCache) -> None:
     await evictor.evict_device(cache.controller.device.num_pages)
     await evictor.evict_host(cache.controller.host.num_pages)
     assert not list(cache.controller.tree.nodes()), "something is still cached in memory"
+
+
+def snapshot(cache: HiCache) -> tuple:
+    """What a rejected call must leave unchanged: the index with every page, the allocators and the counters."""
+    ctl = cache.controller
+    tree = tuple(
+        (node.tokens, tuple(node.device or ()), tuple(node.host or ()), node.lock_ref, node.hit_count)
+        for node in ctl.tree.nodes()
+    )
+    c = ctl.counters
+    counters = (c.lookups, c.retrieves, c.stores, c.stored_pages, c.dropped_pages, dict(c.evicted_pages),
+                dict(c.bytes_moved))
+    return tree, ctl.device.used_pages, ctl.host.used_pages, counters

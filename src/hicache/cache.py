@@ -100,6 +100,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
     @property
     def device_kv(self) -> torch.Tensor:
         """The device pool ``[C, L, pages, page_size, H, D]``, for engines that read it in place."""
+        self.controller.check_open()
         return self.controller.device.kv
 
     @property
@@ -114,6 +115,11 @@ class HiCache(anyio.AsyncContextManagerMixin):
         layout = "[1, num_layers, tokens, 1, latent_dim]" if g.components == 1 else "[2, num_layers, tokens, num_kv_heads, head_dim]"
         if not isinstance(kv, torch.Tensor):
             raise InvalidKVError(f"kv must be a torch.Tensor {layout}, got {type(kv).__name__}")
+        # Checked before anything is evicted: a tensor that cannot be read would fail mid-copy.
+        if kv.layout is not torch.strided:
+            raise InvalidKVError(f"kv must be a dense (strided) tensor, got layout {kv.layout}; call .to_dense()")
+        if kv.device.type == "meta":
+            raise InvalidKVError("kv is on the meta device (it has no data); pass a tensor that holds the KV")
         if kv.dtype != g.dtype:
             raise InvalidKVError(f"kv dtype must be {g.dtype} (the configured model dtype), got {kv.dtype}")
         if tuple(kv.shape) != expected:
@@ -168,6 +174,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
                 f"start must be a multiple of page_size ({ps}) in [0, {num_tokens}], got {start!r}"
             )
         self._check_kv(kv, num_tokens - start)
+        _check_priority(priority)
         ctl.counters.stores += 1
         full = num_tokens // ps
         match = ctl.tree.match(tb)
@@ -335,6 +342,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         return path, kept, dev[:used]
 
     def _read_layer(self, device_pages: list[int], layer: int) -> tuple[torch.Tensor, ...]:
+        self.controller.check_open()  # the pool is gone once the cache is closed
         out = self.controller.engine.device_layer(device_pages, layer)
         self.controller.counters.bytes_moved["device_to_user"] += sum(t.numel() * t.element_size() for t in out)
         return out
@@ -370,7 +378,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
     def reserve(self, num_pages: int) -> Lease:
         """Lease ``num_pages`` fresh device pages to write KV into in place (see ``SlotReservation``)."""
         self.controller.check_open()
-        if not isinstance(num_pages, int) or num_pages < 0:
+        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 0:
             raise InvalidRequestError(f"num_pages must be a non-negative int, got {num_pages!r}")
 
         if num_pages > self.controller.device.num_pages:
@@ -389,8 +397,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ctl = self.controller
         ctl.check_open()
         tb = as_token_bytes(tokens)
-        if not isinstance(first_page, int) or first_page < 0:
+        if not isinstance(first_page, int) or isinstance(first_page, bool) or first_page < 0:
             raise InvalidRequestError(f"first_page must be a non-negative int, got {first_page!r}")
+        _check_priority(priority)
         # Validated: from here the pages belong to the cache (published, or freed by the index).
         inserted = ctl.insert_pages(tb, first_page, reservation.hand_over(), [], priority)
         placed = await ctl.place_unplaced(tb, inserted, priority)
@@ -451,3 +460,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
     def __repr__(self) -> str:
         d, h = self.controller.device, self.controller.host
         return f"<HiCache device={d.used_pages}/{d.num_pages} host={h.used_pages}/{h.num_pages} pages>"
+
+
+def _check_priority(priority: Any) -> None:
+    """Priorities order eviction (``policies.eviction: priority``): any int, higher kept longer."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise InvalidRequestError(f"priority must be an int (higher is kept longer), got {priority!r}")

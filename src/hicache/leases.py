@@ -68,7 +68,7 @@ class RetrieveView:
     def _check_layer(self, layer: int) -> None:
         if self._released:
             raise InvalidRequestError("this RetrieveView was released when its `async with` block exited")
-        if not 0 <= layer < self._num_layers:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self._num_layers:
             raise InvalidRequestError(f"layer must be in [0, {self._num_layers}), got {layer}")
 
     async def wait_layer(self, layer: int) -> None:

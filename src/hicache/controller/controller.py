@@ -180,6 +180,12 @@ class CacheController(anyio.AsyncContextManagerMixin):
         if self.storage:
             self._storage_send, storage_recv = anyio.create_memory_object_stream[StorageJob](self.storage_queue)
         async with AsyncExitStack() as stack:
+            # Closed however the block ends, also when a tier fails to open before the workers start.
+            for stream in (backup_send, backup_recv, load_send, load_recv, evict_send, evict_recv):
+                stack.callback(stream.close)
+            if self._storage_send is not None:
+                stack.callback(self._storage_send.close)
+                stack.callback(storage_recv.close)
             await stack.enter_async_context(self.device)
             await stack.enter_async_context(self.host)
             for tier in self.storage:
@@ -335,10 +341,17 @@ class CacheController(anyio.AsyncContextManagerMixin):
             self._finish_backup(job, None)
             self.counters.backups_skipped += len(job.device_pages)
             return False
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            self._finish_backup(job, None)
+            raise self._stopped() from exc
         except BaseException:
             self._finish_backup(job, None)
             raise
         return True
+
+    def _stopped(self) -> WorkerFailedError | CacheClosedError:
+        """What a call finding a worker's queue closed raises: never an anyio type."""
+        return self.failure or CacheClosedError("the cache is closing: no new background work is accepted")
 
     async def _backup_worker(self, receive: MemoryObjectReceiveStream[BackupJob]) -> None:
         try:
@@ -554,7 +567,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
             # load worker draining its queue.
             with anyio.CancelScope(shield=True):
                 await self._load_send.send(job)
-        except BaseException as exc:  # the queue closed: the cache is shutting down
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
+            error = self._stopped()
+            self._finish_load(job, error)
+            raise error from exc
+        except BaseException as exc:
             self._finish_load(job, CacheClosedError(f"load-back not started: {exc!r}"))
             raise
         return job

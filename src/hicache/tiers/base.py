@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CapacityError
+from ..errors import CacheClosedError, CapacityError
 
 __all__ = ["KVGeometry", "PageAllocator", "MemoryTier"]
 
@@ -150,7 +150,7 @@ class MemoryTier(ABC):
     @property
     def buffer(self) -> torch.Tensor:
         if self._buffer is None:
-            raise RuntimeError(f"{self.name} tier is not open")
+            raise CacheClosedError(f"the {self.name} tier is not open: the cache was closed, or never entered")
         return self._buffer
 
     # -- views for the data plane ---------------------------------------------------------------

@@ -63,6 +63,7 @@ class RedisBackend(StorageBackend):
     max_batch = 32
 
     class Settings(BackendSettings):
+        url_schemes = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
         url: str = "redis://127.0.0.1:6379/0"
         username: str | None = None
         password: SecretStr | None = None
