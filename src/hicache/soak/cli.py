@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from pydantic import ValidationError
 
-from ..config import HiCacheConfig, load_config
+from ..config import HiCacheConfig, StorageTierConfig, load_config
 from ..errors import ConfigError
 from .servers import (
     ServerProcess,
@@ -123,13 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--faults needs --servers: the soak only kills servers it started itself")
     with tempfile.TemporaryDirectory(prefix="hicache-soak-") as tmp, started_servers(kinds, Path(tmp)) as (servers, entries):
         try:
-            if args.config:
-                raw = load_config(args.config).model_dump(mode="json")
-            else:
-                raw = default_config(Path(tmp))
-            raw["tiers"]["storage"] = list(raw["tiers"].get("storage") or []) + entries
-            config = load_config(overrides=raw, env={})
-        except ConfigError as exc:
+            config = load_config(args.config) if args.config else load_config(overrides=default_config(Path(tmp)), env={})
+            if entries:  # added as validated entries (a dump and reload would mask the config's secrets)
+                storage = [*config.tiers.storage, *(StorageTierConfig(**entry) for entry in entries)]
+                config = config.model_copy(update={"tiers": config.tiers.model_copy(update={"storage": storage})})
+        except (ConfigError, ValidationError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         options = SoakOptions(

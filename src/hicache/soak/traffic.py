@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -177,9 +177,11 @@ class Soak:
             await cache.wait_idle()
             self.report.violations += consistency_problems(cache)
             seed = cache.controller.tree.seed
+            storage = cache.controller.storage
+            names = storage[0].codec.storage_keys if storage else list  # keyed names with a tenant key
         self._absorb(cache)
         self.report.restarts += 1
-        await self._check_storage(seed, phase)
+        await self._check_storage(seed, names, phase)
 
     def _absorb(self, cache: HiCache) -> None:
         stats = cache.stats()
@@ -191,12 +193,12 @@ class Soak:
         r.eviction_waits += stats.eviction_waits
         r.storage_failures += sum(t.failures for t in stats.storage.values())
 
-    async def _check_storage(self, seed: bytes, phase: Phase) -> None:
+    async def _check_storage(self, seed: bytes, names: Callable[[list[bytes]], list[bytes]], phase: Phase) -> None:
         """Every page the write policy owed storage is there, asked of a fresh client per tier."""
         policy = self.config.policies.write
         if self.options.faults or policy == "write_through_selective" or not self.config.tiers.storage:
             return
-        keys = sorted({k for tokens in phase.stored for k in chain_keys(seed, as_token_bytes(tokens), self.page)})
+        keys = names(sorted({k for tokens in phase.stored for k in chain_keys(seed, as_token_bytes(tokens), self.page)}))
         for entry in self.config.tiers.storage:
             options = dict(entry.options)
             if entry.kind == "mooncake":
