@@ -8,8 +8,8 @@ indices). Invariants the controller keeps:
   because the device only evicts nodes without device-resident children.
 * Every non-root node holds at least one copy; a node that loses its last copy is removed, and only
   childless nodes are removed.
-* A node with ``lock_ref > 0`` (a lease or an in-flight transfer pins it) is never evicted from any
-  tier and never removed. A node whose host pages are being written to storage (``storing``) keeps
+* A node with ``lock_ref > 0`` (a lease or an in-flight transfer pins it) is never removed and never
+  leaves the device; its host copy may go while the device copy stays (a lease reads the device). A node whose host pages are being written to storage (``storing``) keeps
   them until the write is done, but may leave the device meanwhile.
 * Storage residency is not tracked: storage tiers are asked (``exists``) per request, because they
   are shared and lossy. ``stored`` only remembers that this node's pages were written or read. Pins are taken from a node up to the root and released the same way, so a

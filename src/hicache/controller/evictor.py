@@ -121,7 +121,10 @@ class Evictor:
     def _unleased(self, tier: str) -> int:
         """Pages of ``tier`` that callers do not hold: the most that waiting for jobs could free."""
         pool = self.device if tier == "device" else self.host
-        held = sum(len(getattr(nd, tier) or ()) for nd in self.tree.nodes() if nd.lease_ref > 0)
+        if tier == "device":
+            held = sum(len(nd.device or ()) for nd in self.tree.nodes() if nd.lease_ref > 0)
+        else:  # a leased node's host copy may go while its device copy stays (see _host_mirror)
+            held = sum(len(nd.host or ()) for nd in self.tree.nodes() if nd.lease_ref > 0 and nd.device is None)
         return pool.num_pages - held
 
     # -- device ---------------------------------------------------------------------------------
@@ -237,8 +240,12 @@ class Evictor:
 
     @staticmethod
     def _host_mirror(node: TreeNode) -> bool:
-        """A host copy of a node that is still on the device (its second choice)."""
-        return node.host is not None and node.device is not None and node.lock_ref == 0 and node.loading is None
+        """A host copy of a node that is still on the device (its second choice).
+
+        Pinned or not: a lease reads the device copy, and the page stays in memory there; only a
+        load-back reads the host copy (``loading``), and a storage write keeps it (``storing``).
+        """
+        return node.host is not None and node.device is not None and node.loading is None
 
     async def evict_host(self, n_pages: int) -> int:
         """Drop at least ``n_pages`` host pages if the residency rule allows; return how many."""
