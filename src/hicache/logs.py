@@ -71,7 +71,7 @@ class RateLimited:
         self._last[kind] = now
         skipped = self._suppressed.pop(kind, 0)
         if skipped:
-            message += " (%d more like it in the last %.0f s not logged)"
+            message += " (%d more like it in the last %.3g s not logged)"
             args = (*args, skipped, interval)
         self.logger.log(level, message, *args)
 
