@@ -32,7 +32,7 @@ class PurgeReport:
         what = f"{self.selected} of {self.pages} pages ({format_size(self.selected_bytes)})"
         if self.dry_run:
             return f"storage tier {self.tier} ({self.kind}): would remove {what}; run again with --yes to remove them"
-        return f"storage tier {self.tier} ({self.kind}): removed {self.removed} of {what}"
+        return f"storage tier {self.tier} ({self.kind}): removed {what}"
 
 
 async def purge(
@@ -53,7 +53,7 @@ async def purge(
     ``namespace``: a hex prefix of the header's namespace field (as ``summary`` shows it), or
     ``this`` for the config's own namespace, or ``other`` for every other one.
     """
-    if everything == (namespace is None and older_than_s is None):
+    if everything == (namespace is not None or older_than_s is not None):
         raise ConfigError("say what to purge: --all, or --namespace and/or --older-than (not --all with them)")
     if namespace is not None and namespace not in ("this", "other"):
         if len(namespace) < 4 or any(c not in "0123456789abcdef" for c in namespace.lower()):
