@@ -14,7 +14,6 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 

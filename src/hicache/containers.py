@@ -16,8 +16,8 @@ from dependency_injector import containers, providers
 
 from .cache import HiCache
 from .config import HiCacheConfig, StorageTierConfig
-from .errors import ConfigError
 from .controller.controller import CacheController
+from .errors import ConfigError
 from .io.direct import DirectIOBackend
 from .io.kernel import KernelIOBackend
 from .io.transfer import TransferEngine

@@ -58,8 +58,8 @@ from ...config import ByteSize
 from ...errors import ConfigError
 from .base import BackendSettings, PageIO, StorageBackend, StoredPage
 from .lru_index import LruIndex
-from .page_format import HEADER_BYTES
 from .page_files import CORRUPT, SUFFIX, Folder, Refused, delete_pages, read_pages, unlink_at, write_pages
+from .page_format import HEADER_BYTES
 
 __all__ = ["FileBackend"]
 

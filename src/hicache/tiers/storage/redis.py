@@ -42,8 +42,8 @@ from pydantic import Field, SecretStr, model_validator
 
 from ...config import ByteSize
 from .base import BackendSettings, PageIO, StorageBackend, StoredPage
-from .page_format import HEADER_BYTES
 from .lru_index import LruIndex
+from .page_format import HEADER_BYTES
 
 __all__ = ["RedisBackend", "scan_pattern"]
 

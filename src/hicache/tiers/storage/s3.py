@@ -52,8 +52,8 @@ from pydantic import Field, SecretStr
 from ...config import ByteSize
 from ...errors import ConfigError
 from .base import BackendSettings, PageIO, StorageBackend, StoredPage
-from .page_format import HEADER_BYTES
 from .lru_index import LruIndex
+from .page_format import HEADER_BYTES
 
 __all__ = ["S3Backend"]
 
