@@ -96,12 +96,18 @@ class Traffic:
             await anyio.sleep(0.005)
 
     async def reader(self, rounds: int, seed: int) -> None:
+        """At least ``rounds`` retrieves, and on until every prompt is stored; mostly of prompts stored
+        long enough ago to have left memory, so they come back from storage (a prefetch)."""
         gen = torch.Generator().manual_seed(seed)
-        for _ in range(rounds):
+        done = 0
+        while done < rounds or len(self.stored) < len(self.work):
             if not self.stored:
                 await anyio.sleep(0.01)
                 continue
-            i = self.stored[int(torch.randint(0, len(self.stored), (1,), generator=gen))]
+            done += 1
+            await anyio.sleep(0)  # a retrieve served from memory may never suspend: let the writers run
+            old = self.stored[:-8] if len(self.stored) > 8 and done % 4 else self.stored
+            i = old[int(torch.randint(0, len(old), (1,), generator=gen))]
             tokens, kv = self.work[i]
             await self.cache.lookup(tokens)  # starts the prefetch of what only storage holds
             async with self.cache.retrieve(tokens) as view:

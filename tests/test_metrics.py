@@ -195,15 +195,24 @@ async def test_engine_metrics_record_each_request() -> None:
 
 async def test_logs_as_json_lines_name_the_tier_and_the_numbers(tmp_path: Path) -> None:
     stream = io.StringIO()
+    # Whatever other tests or libraries did to global logging (logging.disable, disabled loggers) is undone here.
+    disabled_below = logging.root.manager.disable
+    ours = [lg for name, lg in logging.root.manager.loggerDict.items()
+            if name.startswith("hicache") and isinstance(lg, logging.Logger) and lg.disabled]
+    logging.disable(logging.NOTSET)
+    for lg in ours:
+        lg.disabled = False
     configure("INFO", "json", 60.0, stream=stream)
     try:
         async with HiCache.from_config(config([file_entry(tmp_path)])) as cache:
-            configure("INFO", "json", 60.0, stream=stream)  # the cache applied its own (no handler) on open
             await cache.attach_storage(file_entry(tmp_path, "extra"))
             await cache.detach_storage("extra")
     finally:
         configure(None, None, 60.0)
         logging.getLogger("hicache").setLevel(logging.NOTSET)
+        logging.disable(disabled_below)
+        for lg in ours:
+            lg.disabled = True
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     detached = [x for x in lines if "detached" in x["message"]]
     assert detached and detached[0]["logger"] == "hicache.controller.storage_chain" and detached[0]["level"] == "INFO"
@@ -229,3 +238,10 @@ def test_repeated_warnings_are_rate_limited_and_counted() -> None:
     lines = stream.getvalue().splitlines()
     assert lines == ["page failed (checksum)", "page failed (magic)",
                      "page failed (checksum) (49 more like it in the last 0.2 s not logged)"]
+
+
+def test_the_readme_lists_every_metric() -> None:
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    for name, (kind, _, _) in METRICS.items():
+        full = f"hicache_{name}" + ("_total" if kind == "counter" else "")
+        assert f"`{full}`" in text, f"README's metric list lacks {full}"

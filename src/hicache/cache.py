@@ -98,10 +98,13 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[HiCache]:
-        from .logs import configure
+        from .logs import configure, set_repeat_interval
 
         settings = self.config.logging
-        configure(settings.level, settings.format, settings.repeat_interval_s)
+        if settings.level is not None or settings.format is not None:
+            configure(settings.level, settings.format, settings.repeat_interval_s)
+        else:
+            set_repeat_interval(settings.repeat_interval_s)  # leave the application's logging alone
         try:
             async with self.controller:
                 self.loop = asyncio.get_running_loop()

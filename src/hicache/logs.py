@@ -30,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["JsonFormatter", "RateLimited", "configure", "repeat_interval_s"]
+__all__ = ["JsonFormatter", "RateLimited", "configure", "repeat_interval_s", "set_repeat_interval"]
 
 _HANDLER_NAME = "hicache-config"
 _repeat_interval_s = 60.0
@@ -41,6 +41,11 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys()
 
 def repeat_interval_s() -> float:
     return _repeat_interval_s
+
+
+def set_repeat_interval(seconds: float) -> None:
+    global _repeat_interval_s
+    _repeat_interval_s = seconds
 
 
 class RateLimited:

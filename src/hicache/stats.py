@@ -1,8 +1,9 @@
 """Counters the cache keeps, and the frozen snapshots ``HiCache.stats()`` returns.
 
 Latencies are kept as fixed-bucket histograms (``LatencyHistogram``): one ``bisect`` and two
-additions per observation, no allocation, so timing every call costs nothing measurable; the
-Prometheus exporter (``hicache.metrics``) reads them at scrape time, like every other counter.
+additions per observation, no allocation (about 1 us in CPython, against calls that take tens of
+microseconds at least); the Prometheus exporter (``hicache.metrics``) reads them at scrape time,
+like every other counter.
 """
 
 from __future__ import annotations

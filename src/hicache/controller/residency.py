@@ -70,10 +70,11 @@ class Residency:
 
     def leave_host(self, node: TreeNode) -> Verdict:
         """May ``node``'s host pages be dropped? (The caller checked it is unpinned and not loading.)"""
+        if node.storing:
+            # A write reads these pages, even one whose tiers were all detached meanwhile (it ends at once).
+            return Verdict.WAIT
         if not self.has_storage or node.stored:
             return Verdict.FREE
-        if node.storing:
-            return Verdict.WAIT
         if not self.promised(node):
             return Verdict.FREE
         if node.store_failed:

@@ -98,6 +98,9 @@ class MetricsServer:
                 return  # a client that does not finish its request in time: dropped
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
                 return
+            except Exception as exc:  # a bug must cost one request a 500, never the server (or the caller's block)
+                log.error("metrics server: %s failed", type(exc).__name__, exc_info=exc)
+                status, ctype, payload = 500, "application/json", _json({"error": f"{type(exc).__name__}: {exc}"})
             reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
                       413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}.get(status, "")
             head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(payload)}\r\n"
