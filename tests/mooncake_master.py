@@ -52,6 +52,7 @@ def start_mooncake(workdir: Path, *, lease_ms: int = 5000, **overrides: Any) -> 
         "local_hostname": "127.0.0.1",
         "global_segment_size": 64 * 1024**2,
         "local_buffer_size": 16 * 1024**2,
+        "admin_url": f"http://127.0.0.1:{metrics_port}",  # the master's admin port: listing (hicache inspect)
         **overrides,
     }
     return server, settings

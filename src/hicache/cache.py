@@ -14,16 +14,19 @@ copy pages that are pinned or not yet published in the index.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
-from .errors import CapacityError, InvalidKVError, InvalidRequestError
+from .config import StorageTierConfig, storage_entry
+from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
 from .leases import Lease, RetrieveView, SlotReservation
 from .radix_tree import Pin, TreeNode
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
     from .controller.controller import CacheController
     from .controller.jobs import LoadJob
     from .controller.prefetch import Prefetch
+    from .controller.storage_chain import StorageChange
+    from .tiers.storage.tier import StorageTier
 
 __all__ = ["HiCache", "Hit", "StoreResult"]
 
@@ -66,10 +71,19 @@ class StoreResult:
 class HiCache(anyio.AsyncContextManagerMixin):
     """A hierarchical KV cache: device and host tiers under one radix index."""
 
-    def __init__(self, config: HiCacheConfig, controller: CacheController, namespace: Namespace) -> None:
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        controller: CacheController,
+        namespace: Namespace,
+        *,
+        build_storage_tier: Callable[[StorageTierConfig], StorageTier] | None = None,
+    ) -> None:
         self.config = config
         self.controller = controller
         self.namespace = namespace
+        self._build_storage_tier = build_storage_tier
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop the cache runs on, while open
         g = controller.device.geometry
         self._geometry = g
         self._page_size = g.page_size
@@ -84,9 +98,20 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[HiCache]:
+        from .logs import configure, set_repeat_interval
+
+        settings = self.config.logging
+        if settings.level is not None or settings.format is not None:
+            configure(settings.level, settings.format, settings.repeat_interval_s)
+        else:
+            set_repeat_interval(settings.repeat_interval_s)  # leave the application's logging alone
         try:
             async with self.controller:
-                yield self
+                self.loop = asyncio.get_running_loop()
+                try:
+                    yield self
+                finally:
+                    self.loop = None
         except BaseExceptionGroup as group:
             # The controller's task group wraps whatever ended it; a lone error (the caller's own,
             # or a failed worker's WorkerFailedError) is clearer unwrapped.
@@ -141,6 +166,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ctl = self.controller
         ctl.check_open()
         tb = as_token_bytes(tokens)
+        t0 = time.perf_counter()
         match = ctl.tree.match(tb)
         by_tier = {"device": 0, "host": 0} | {tier.name: 0 for tier in ctl.storage}
         for i, node in enumerate(match.path):
@@ -151,11 +177,19 @@ class HiCache(anyio.AsyncContextManagerMixin):
         if stored is not None:
             by_tier.update(stored.by_tier())
         storage_tokens = stored.tokens if stored is not None else 0
+        ctl.counters.latency["lookup"].observe(time.perf_counter() - t0)
         return Hit(match.pages * self._page_size + storage_tokens, MappingProxyType(by_tier), started)
 
     # -- store ----------------------------------------------------------------------------------
 
     async def store(self, tokens: Any, kv: torch.Tensor, *, start: int = 0, priority: int = 0) -> StoreResult:
+        """Cache the full pages of ``tokens`` that are not cached yet (see ``_store``); timed."""
+        started = time.perf_counter()
+        result = await self._store(tokens, kv, start=start, priority=priority)
+        self.controller.counters.latency["store"].observe(time.perf_counter() - started)
+        return result
+
+    async def _store(self, tokens: Any, kv: torch.Tensor, *, start: int = 0, priority: int = 0) -> StoreResult:
         """Cache the full pages of ``tokens`` that are not cached yet.
 
         ``kv``: ``[2, num_layers, len(tokens) - start, num_kv_heads, head_dim]`` (MLA: ``[1, L, T, 1, D]``),
@@ -254,6 +288,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ctl.check_open()
         ps = self._page_size
         num_tokens = len(tb) // TOKEN_BYTES
+        started = time.perf_counter()
         ctl.counters.retrieves += 1
         # Pages that only storage holds arrive in host memory first (as the prefetch policy allows).
         await ctl.prefetcher.before_retrieve(tb)
@@ -298,9 +333,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
         device_tokens = (hit_pages - loaded) * ps
         by_tier = {"device": device_tokens, "host": loaded * ps} | {tier.name: 0 for tier in ctl.storage}
         for name, pages in from_storage.items():
-            by_tier[name] += pages * ps
+            by_tier[name] = by_tier.get(name, 0) + pages * ps  # its tier may have been detached since
             by_tier["host"] -= pages * ps
         self._count_retrieve(num_tokens, by_tier)
+        self._time_retrieve(started, jobs)
         return RetrieveView(
             tokens=hit_pages * ps,
             by_tier=by_tier,
@@ -311,6 +347,32 @@ class HiCache(anyio.AsyncContextManagerMixin):
             read_layer=self._read_layer,
             check_open=ctl.check_open,
         )
+
+    def _time_retrieve(self, started: float, jobs: list[LoadJob]) -> None:
+        """Observe when layer 0 and the last layer are usable: now, or when the loads say so."""
+        latency = self.controller.counters.latency
+        waiting = [job for job in jobs if not job.finished.is_set()]
+        if not waiting:
+            elapsed = time.perf_counter() - started
+            latency["retrieve_first_layer"].observe(elapsed)
+            latency["retrieve_last_layer"].observe(elapsed)
+            return
+        pending = {"first": {id(j) for j in waiting if not j.is_ready(0)}, "last": {id(j) for j in waiting}}
+        if not pending["first"]:
+            latency["retrieve_first_layer"].observe(time.perf_counter() - started)
+
+        def watcher(job: LoadJob) -> Callable[[str], None]:
+            def seen(what: str) -> None:
+                left = pending[what]
+                if id(job) in left:
+                    left.discard(id(job))
+                    if not left:
+                        latency[f"retrieve_{what}_layer"].observe(time.perf_counter() - started)
+
+            return seen
+
+        for job in waiting:
+            job.watchers.append(watcher(job))
 
     def _fit_load(
         self, path: list[TreeNode], host_only: list[TreeNode], dev: list[int]
@@ -369,9 +431,13 @@ class HiCache(anyio.AsyncContextManagerMixin):
         c.hit_tokens["device"] += by_tier["device"]
         c.miss_tokens["device"] += num_tokens - by_tier["device"]
         c.hit_tokens["host"] += by_tier["host"]
-        c.miss_tokens["host"] += num_tokens - by_tier["device"] - by_tier["host"]
-        for tier in ctl.storage:
-            tier.hit_tokens += by_tier[tier.name]
+        missing = num_tokens - by_tier["device"] - by_tier["host"]
+        c.miss_tokens["host"] += missing
+        for tier in ctl.storage:  # in chain order: a tier is asked for what the ones above did not supply
+            supplied = by_tier.get(tier.name, 0)
+            tier.hit_tokens += supplied
+            missing -= supplied
+            tier.miss_tokens += missing
 
     # -- zero-copy path -------------------------------------------------------------------------
 
@@ -446,7 +512,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
             loads=c.loads,
             queue_depths=MappingProxyType(ctl.queue_depths()),
             in_flight=ctl.jobs.count if hasattr(ctl, "jobs") else 0,
-            storage=MappingProxyType({tier.name: tier.stats() for tier in ctl.storage}),
+            storage=MappingProxyType({
+                tier.name: replace(tier.stats(), position=i) for i, tier in enumerate(list(ctl.storage))
+            }),
             prefetches=c.prefetches,
             prefetched_pages=c.prefetched_pages,
             storage_backups=c.storage_backups,
@@ -455,7 +523,44 @@ class HiCache(anyio.AsyncContextManagerMixin):
             short_retrieve_tokens=c.short_retrieve_tokens,
             eviction_waits=c.eviction_waits,
             eviction_wait_s=c.eviction_wait_s,
+            latencies=MappingProxyType({name: h.snapshot() for name, h in c.latency.items()}),
         )
+
+    # -- the storage chain at runtime -----------------------------------------------------------
+
+    async def attach_storage(self, entry: Mapping[str, Any] | StorageTierConfig, position: int | None = None) -> StorageChange:
+        """Add a storage tier while the cache runs: ``entry`` is one ``tiers.storage`` item (a dict
+        as in YAML), validated as the config validates it; ``position`` 0 is the fastest (probed
+        first), ``None`` the end. The backend is opened before anything changes, so a tier that
+        cannot open (``ConfigError``, ``StorageBackendError``) leaves the cache as it was. Pages
+        already in other tiers are not copied to it. See ``controller/storage_chain.py``.
+        """
+        self.controller.check_open()
+        if self._build_storage_tier is None:
+            raise ConfigError("this cache was not built by HiCache.from_config: it cannot build storage tiers")
+        validated = entry if isinstance(entry, StorageTierConfig) else storage_entry(entry, "attach_storage")
+        change = await self.controller.attach_storage(self._build_storage_tier(validated), position)
+        storage = list(self.config.tiers.storage)
+        storage.insert(change.position, validated)
+        self._set_storage_config(storage)
+        return change
+
+    async def detach_storage(self, name: str, *, drain: bool = True, timeout_s: float | None = None) -> StorageChange:
+        """Remove storage tier ``name`` while the cache runs, then close it.
+
+        ``drain=True`` lets the writes and prefetches already using it finish (at most ``timeout_s``,
+        default ``controller.shutdown_timeout_s``); ``drain=False`` cancels those prefetches and lets
+        those writes skip it. Requests in flight see a shorter chain, never an error; no page the
+        write policy promised to another tier is lost, and none is counted lost for this one.
+        """
+        change = await self.controller.detach_storage(name, drain=drain, timeout_s=timeout_s)
+        self._set_storage_config([e for e in self.config.tiers.storage if e.tier_name != name])
+        return change
+
+    def _set_storage_config(self, storage: list[StorageTierConfig]) -> None:
+        """``self.config`` describes the chain as it is now (already validated: no re-validation)."""
+        tiers = self.config.tiers.model_copy(update={"storage": storage})
+        self.config = self.config.model_copy(update={"tiers": tiers})
 
     def __repr__(self) -> str:
         d, h = self.controller.device, self.controller.host

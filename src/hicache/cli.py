@@ -1,4 +1,5 @@
-"""The ``hicache`` command: ``hicache bench ...``, ``hicache soak``, ``hicache demo`` and ``hicache config [PATH]``."""
+"""The ``hicache`` command: ``bench``, ``soak``, ``demo``, ``config [PATH]``, ``inspect`` (a storage tier) and
+``admin`` (a running process, through its admin endpoint)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks with a real model: `hicache bench multiturn|long-context --help`")
     sub.add_parser("demo", help="a tour of the cache API on synthetic KV; `hicache demo --help` for options")
     sub.add_parser("soak", help="random multi-client traffic checking every promise: `hicache soak --help`")
+    sub.add_parser("inspect", help="look into a storage tier: `hicache inspect summary|verify|purge CONFIG`")
+    sub.add_parser("admin", help="attach or detach storage tiers of a running process: `hicache admin --help`")
     show = sub.add_parser("config", help="validate a config file and print it with every default filled in")
     show.add_argument("path", nargs="?", default=None)
     argv = sys.argv[1:] if argv is None else argv
@@ -25,6 +28,14 @@ def main(argv: list[str] | None = None) -> int:
         from .soak.cli import main as soak_main
 
         return soak_main(argv[1:])
+    if argv[:1] == ["inspect"]:
+        from .inspect.cli import main as inspect_main
+
+        return inspect_main(argv[1:])
+    if argv[:1] == ["admin"]:
+        from .metrics.admin_cli import main as admin_main
+
+        return admin_main(argv[1:])
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 

@@ -51,8 +51,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENV_PREFIX", "SECRET_MASK", "ByteSize", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
-    "IOConfig", "ModelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
-    "format_size", "load_config", "mask_url", "parse_size",
+    "IOConfig", "LoggingConfig", "ModelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
+    "format_size", "load_config", "mask_url", "parse_size", "storage_entry",
 ]
 
 ENV_PREFIX = "HICACHE_"
@@ -365,6 +365,19 @@ class ControllerConfig(BaseModel):
         return self
 
 
+class LoggingConfig(BaseModel):
+    """How hicache logs (README: "Operating hicache"); by default it leaves logging to the application."""
+
+    model_config = _FROZEN
+
+    # None: leave the "hicache" logger's level to the application.
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] | None = None
+    # None: install no handler; text or json (one object per line): one stderr handler on "hicache".
+    format: Literal["text", "json"] | None = None
+    # A warning that can repeat per page (corrupt pages, failed writes) is logged once per interval and kind.
+    repeat_interval_s: float = Field(default=60.0, ge=0)
+
+
 class HiCacheConfig(BaseModel):
     """The root configuration; ``HiCacheConfig()`` is the packaged default."""
 
@@ -380,6 +393,7 @@ class HiCacheConfig(BaseModel):
     policies: PoliciesConfig = Field(default_factory=PoliciesConfig)
     io: IOConfig = Field(default_factory=IOConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @property
     def page_bytes(self) -> int:
@@ -489,6 +503,22 @@ def load_config(
         raise ConfigError("\n".join(lines)) from exc
     except RecursionError:
         raise ConfigError("the settings nest too deeply") from None
+
+
+def storage_entry(entry: Mapping[str, Any], where: str = "storage entry") -> StorageTierConfig:
+    """Validate one ``tiers.storage`` item (a dict, as in YAML) as ``load_config`` would: a
+    ``ConfigError`` naming ``where`` and the field, secrets never shown. No ``${VAR}`` expansion:
+    the caller passes values, not a file."""
+    if not isinstance(entry, Mapping):
+        raise ConfigError(f"{where}: expected a mapping like {{kind: file, path: ...}}, got {type(entry).__name__}")
+    try:
+        return StorageTierConfig.model_validate(dict(entry))
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False):
+            loc, message = _describe(err, secret=_is_secret(StorageTierConfig, tuple(err["loc"])))
+            lines.append(f"{where}: {dotted(loc) or '(entry)'}: {message}")
+        raise ConfigError("\n".join(lines)) from None
 
 
 def _origin(loc: tuple[Any, ...], labels: Mapping[tuple[Any, ...], str], source: str | None) -> str | None:

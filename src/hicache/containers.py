@@ -10,11 +10,14 @@ time, so two caches never share a pool.
 
 from __future__ import annotations
 
+import functools
+
 from dependency_injector import containers, providers
 
 from .cache import HiCache
-from .config import HiCacheConfig
+from .config import HiCacheConfig, StorageTierConfig
 from .controller.controller import CacheController
+from .errors import ConfigError
 from .io.direct import DirectIOBackend
 from .io.kernel import KernelIOBackend
 from .io.transfer import TransferEngine
@@ -26,11 +29,15 @@ from .radix_tree import HiRadixTree
 from .tiers.base import KVGeometry
 from .tiers.device import DevicePool
 from .tiers.host import HostPool
+from .tiers.storage.base import StorageBackend
 from .tiers.storage.page_format import PageCodec
 from .tiers.storage.registry import resolve_backend
 from .tiers.storage.tier import StorageTier
 
-__all__ = ["Container", "geometry_from_config", "storage_tiers_from_config"]
+__all__ = [
+    "Container", "geometry_from_config", "inspection_target", "page_codec_from_config", "storage_tier_from_entry",
+    "storage_tiers_from_config",
+]
 
 
 def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
@@ -45,13 +52,47 @@ def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
     )
 
 
+def storage_tier_from_entry(
+    entry: StorageTierConfig, *, config: HiCacheConfig, codec: PageCodec, host: HostPool
+) -> StorageTier:
+    """One ``StorageTier`` for a validated ``tiers.storage`` entry; its backend is built, not opened.
+
+    Also what ``HiCache.attach_storage`` builds a tier with at runtime (bound to the cache's own
+    config, codec and host pool by the container).
+    """
+    batch_pages = max(1, config.controller.storage_batch_bytes // config.page_bytes)
+    return StorageTier(entry.tier_name, resolve_backend(entry.kind)(**entry.options), codec, host, batch_pages=batch_pages)
+
+
 def storage_tiers_from_config(config: HiCacheConfig, codec: PageCodec, host: HostPool) -> list[StorageTier]:
     """One ``StorageTier`` per ``tiers.storage`` entry, in order; backends are built, not opened."""
-    batch_pages = max(1, config.controller.storage_batch_bytes // config.page_bytes)
-    return [
-        StorageTier(entry.tier_name, resolve_backend(entry.kind)(**entry.options), codec, host, batch_pages=batch_pages)
-        for entry in config.tiers.storage
-    ]
+    return [storage_tier_from_entry(entry, config=config, codec=codec, host=host) for entry in config.tiers.storage]
+
+
+def page_codec_from_config(config: HiCacheConfig) -> PageCodec:
+    namespace = Namespace.from_config(config)
+    return PageCodec(namespace=namespace.digest, geometry=geometry_from_config(config), tenant_key=namespace.tenant_key)
+
+
+def inspection_target(
+    config: HiCacheConfig, tier: str | None = None
+) -> tuple[StorageTierConfig, StorageBackend, PageCodec]:
+    """The storage tier ``hicache inspect`` reads: its entry, a backend for it (not opened, set up as
+    a reader: see ``StorageBackend.inspection_options``) and the config's page codec."""
+    entries = config.tiers.storage
+    names = [e.tier_name for e in entries]
+    if not entries:
+        raise ConfigError("the config has no storage tier (tiers.storage is empty): nothing to inspect")
+    if tier is None:
+        if len(entries) > 1:
+            raise ConfigError(f"the config has {len(entries)} storage tiers ({', '.join(names)}): pick one with --tier")
+        entry = entries[0]
+    elif tier in names:
+        entry = entries[names.index(tier)]
+    else:
+        raise ConfigError(f"no storage tier named {tier!r} in the config (it has: {', '.join(names)})")
+    cls = resolve_backend(entry.kind)
+    return entry, cls(**cls.inspection_options(entry.options)), page_codec_from_config(config)
 
 
 class Container(containers.DeclarativeContainer):
@@ -91,6 +132,10 @@ class Container(containers.DeclarativeContainer):
         PageCodec, namespace=namespace.provided.digest, geometry=geometry, tenant_key=namespace.provided.tenant_key
     )
     storage_tiers = providers.Singleton(storage_tiers_from_config, config, page_codec, host_pool)
+    # What HiCache.attach_storage builds a tier with: an entry in, a tier bound to this cache out.
+    storage_tier_builder = providers.Singleton(
+        functools.partial, storage_tier_from_entry, config=config, codec=page_codec, host=host_pool
+    )
 
     eviction_policy = providers.Selector(
         config.provided.policies.eviction,
@@ -143,4 +188,4 @@ class Container(containers.DeclarativeContainer):
         alloc_wait_s=config.provided.controller.alloc_wait_s,
     )
 
-    cache = providers.Singleton(HiCache, config, controller, namespace)
+    cache = providers.Singleton(HiCache, config, controller, namespace, build_storage_tier=storage_tier_builder)

@@ -12,7 +12,8 @@ The tree::
     ├── WorkerFailedError        a background worker failed; the cache is unusable
     ├── StorageError             a storage backend operation failed (the cache counts it as a miss)
     │   ├── StorageBackendError  the backend raised; the original error is the ``__cause__``
-    │   └── StorageTimeoutError  the backend did not answer within its ``timeout_s``
+    │   ├── StorageTimeoutError  the backend did not answer within its ``timeout_s``
+    │   └── ListingUnsupportedError  the backend cannot list what it holds (``hicache inspect``)
     ├── UnsupportedModelError    an integration cannot cache this model's KV (or it does not match the config)
     └── EngineError              the reference engine refused or dropped a request
         ├── EngineClosedError    the engine is shutting down or closed
@@ -37,6 +38,7 @@ __all__ = [
     "StorageError",
     "StorageBackendError",
     "StorageTimeoutError",
+    "ListingUnsupportedError",
     "UnsupportedModelError",
     "EngineError",
     "EngineClosedError",
@@ -100,6 +102,14 @@ class StorageBackendError(StorageError):
 
 class StorageTimeoutError(StorageError):
     """The backend did not finish ``operation`` within its configured ``timeout_s``."""
+
+
+class ListingUnsupportedError(StorageError):
+    """The backend cannot enumerate its pages, so ``hicache inspect`` cannot walk it."""
+
+    def __init__(self, backend: str, detail: str = "") -> None:
+        why = detail or "this backend has no listing operation (a plugin adds one with can_list and _list)"
+        super().__init__(backend, "list", why)
 
 
 class UnsupportedModelError(HiCacheError, ValueError):

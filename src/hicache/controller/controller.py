@@ -9,8 +9,9 @@ Workers:
   callers waiting on it.
 * ``eviction``: kicked when device usage crosses the high watermark; evicts down to the low one in
   the background so that most allocations find free pages.
-* ``storage`` (with storage tiers): host -> storage writes asked for by the write policy, fed by a
-  bounded stream that the backup worker and ``store`` feed (backpressure again), batched per tier.
+* ``storage`` (with storage tiers, started at open or with the first ``attach_storage``): host ->
+  storage writes asked for by the write policy, fed by a bounded stream that the backup worker and
+  ``store`` feed (backpressure again), batched per tier.
 
 Prefetches from storage run as tasks of the same group (``prefetch.py``). Failures of a storage
 backend are misses and counted errors (``StorageTier``); any other error in a worker or a prefetch
@@ -50,6 +51,7 @@ from .evictor import Evictor
 from .jobs import BackupJob, JobTracker, LoadEntry, LoadJob, StorageJob
 from .prefetch import Prefetcher
 from .residency import Residency
+from .storage_chain import StorageChain, StorageChange
 from .storage_writer import StorageWriter
 
 __all__ = ["CacheController", "Insertion"]
@@ -126,7 +128,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.max_prefetches = max_prefetches
         self.alloc_wait_s = alloc_wait_s
         self.storage_writer = StorageWriter(tree, self.storage, self.counters, device.geometry.page_bytes)
-        self.residency = Residency(write_policy, has_host=host.num_pages > 0, has_storage=bool(self.storage))
+        # Reads the live list: storage tiers come and go (attach_storage / detach_storage).
+        self.residency = Residency(write_policy, has_host=host.num_pages > 0, storage=self.storage)
+        self.chain = StorageChain(self)
         self.failure: WorkerFailedError | None = None
         self._open = False
         self._closed = False
@@ -137,6 +141,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.jobs: JobTracker
         self._task_group: anyio.abc.TaskGroup
         self._storage_send: MemoryObjectSendStream[StorageJob] | None = None
+        self._stack: AsyncExitStack
         self._backup_send: MemoryObjectSendStream[BackupJob]
         self._load_send: MemoryObjectSendStream[LoadJob]
         self._evict_send: MemoryObjectSendStream[None]
@@ -161,7 +166,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             self.counters, self.limiter, frees_device=self.frees_device, frees_host=self.frees_host,
             alloc_wait_s=self.alloc_wait_s,
             on_device_alloc=self.kick_eviction,
-            storage_writer=self.storage_writer if self.storage else None,
+            storage_writer=self.storage_writer,  # used only while a storage tier is attached
             on_host_copy=lambda node: self.host_copy_made(node, wait=False),
         )
         self.prefetcher = Prefetcher(
@@ -180,6 +185,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         if self.storage:
             self._storage_send, storage_recv = anyio.create_memory_object_stream[StorageJob](self.storage_queue)
         async with AsyncExitStack() as stack:
+            self._stack = stack
             # Closed however the block ends, also when a tier fails to open before the workers start.
             for stream in (backup_send, backup_recv, load_send, load_recv, evict_send, evict_recv):
                 stack.callback(stream.close)
@@ -282,6 +288,28 @@ class CacheController(anyio.AsyncContextManagerMixin):
             log.error("hicache %s worker failed; the cache is now unusable", name, exc_info=exc)
             raise self.failure from exc
 
+    # -- the storage chain at runtime (storage_chain.py) ------------------------------------------
+
+    async def attach_storage(self, tier: StorageTier, position: int | None = None) -> StorageChange:
+        return await self.chain.attach(tier, position)
+
+    async def detach_storage(self, name: str, *, drain: bool = True, timeout_s: float | None = None) -> StorageChange:
+        return await self.chain.detach(name, drain=drain, timeout_s=timeout_s)
+
+    async def ensure_storage_worker(self) -> None:
+        """Start the storage worker and its queue if no storage tier was configured at start."""
+        if self._storage_send is not None:
+            return
+        send, receive = anyio.create_memory_object_stream[StorageJob](self.storage_queue)
+        self._storage_send = send
+        self._stack.callback(send.close)
+        self._stack.callback(receive.close)
+        await self._task_group.start(self._supervise, "storage", self._storage_worker, receive)
+
+    def close_with_cache(self, tier: StorageTier) -> None:
+        """Close ``tier`` when the cache closes, after the workers (a no-op if detached by then)."""
+        self._stack.push_async_exit(tier)
+
     def check_open(self) -> None:
         if self.failure is not None:
             raise self.failure
@@ -301,7 +329,8 @@ class CacheController(anyio.AsyncContextManagerMixin):
             "backup": self._backup_send.statistics().current_buffer_used,
             "load": self._load_send.statistics().current_buffer_used,
             "storage": storage.statistics().current_buffer_used if storage is not None else 0,
-            "prefetch": len({id(op) for op in self.prefetcher.running.values()}),
+            # list(): a copy made at once, so a scrape from another thread never sees the dict change
+            "prefetch": len({id(op) for op in list(self.prefetcher.running.values())}),
         }
 
     # -- backup (device -> host) ----------------------------------------------------------------
@@ -431,7 +460,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
     async def _storage_worker(self, receive: MemoryObjectReceiveStream[StorageJob]) -> None:
         async for job in receive:
             batch = _with_queued(job, receive, _STORAGE_BATCH)
-            results: list[bool] | list[None] = [None] * len(batch)  # None: cut off by the shutdown deadline
+            results: list[bool | None] = [None] * len(batch)  # None: cut off by the shutdown deadline
             try:
                 results = await self.storage_writer.write(batch)
             finally:
@@ -589,7 +618,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         else:
             for layer in range(job.num_layers):
                 job.layer_arrived(layer)  # idempotent; covers callbacks not yet run
-            job.finished.set()
+            job.succeeded()
             self.counters.loads += len(job.device_pages)
             self.counters.bytes_moved["host_to_device"] += len(job.device_pages) * self.device.geometry.page_bytes
         job.pin.release()

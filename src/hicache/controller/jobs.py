@@ -54,17 +54,33 @@ class LoadJob:
     error: BaseException | None = None
     _events: list[anyio.Event] = field(default_factory=list)
     finished: anyio.Event = field(default_factory=anyio.Event)
+    #: Called (on the event loop) with "first" when layer 0 is usable and "last" when every layer
+    #: is: what the retrieve latency histograms are timed by. Not called when the job fails.
+    watchers: list[Callable[[str], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._events = [anyio.Event() for _ in range(self.num_layers)]
 
     def layer_arrived(self, layer: int) -> None:
         """Called on the event loop when ``layer`` is usable on the device."""
+        first = not self._events[0].is_set()
         self.layers_done = max(self.layers_done, layer + 1)
         self._events[layer].set()
+        if first and self._events[0].is_set():
+            self._notify("first")
+
+    def succeeded(self) -> None:
+        """Every layer has arrived: the job is done."""
+        self.finished.set()
+        self._notify("last")
+
+    def _notify(self, what: str) -> None:
+        for watcher in list(self.watchers):
+            watcher(what)
 
     def fail(self, error: BaseException) -> None:
         self.error = error
+        self.watchers.clear()
         for event in self._events:
             event.set()
         self.finished.set()

@@ -13,6 +13,10 @@ prefetch and uses what has been published. Ending (``cancel()``) frees the host 
 not yet published; pages already published stay in the cache. The prefetch holds a pin on the
 deepest node it has published (or on the node it continues), so its prefix cannot be evicted under
 it.
+
+Storage tiers may be detached at runtime: a probe reads the tiers attached when it starts, a
+prefetch started from a probe of a tier detached since stops where that tier's pages begin (a
+shorter chain, never an error), and ``using(tier)`` tells a detach which prefetches still read it.
 """
 
 from __future__ import annotations
@@ -155,9 +159,11 @@ class Prefetcher:
         keys = chain_keys(self._seed(match), tb[match.pages * pb : full * pb], self.page_size)
         segments: list[tuple[StorageTier, int, int]] = []
         pos = 0
-        for tier in self.tiers:
+        for tier in list(self.tiers):  # a snapshot: attach/detach may change the list while we await
             if pos == len(keys):
                 break
+            if tier.detached:
+                continue  # detached meanwhile: the next tier continues where the last one stopped
             n = await tier.exists(keys[pos:])
             if n:
                 segments.append((tier, pos, n))
@@ -202,6 +208,7 @@ class Prefetcher:
         if running is not None and not running.cancelled:
             return running
         self.check_open()  # the probe awaited: the cache may be closing (no new tasks then)
+        hit = self._attached_part(hit)
         pb = self.page_size * TOKEN_BYTES
         op = Prefetch(
             tokens_bytes=tb[: (hit.first_page + len(hit.keys)) * pb],
@@ -223,6 +230,18 @@ class Prefetcher:
             raise
         return op
 
+    def _attached_part(self, hit: StorageHit) -> StorageHit:
+        """``hit`` up to the first segment of a tier detached since the probe (keys are chained)."""
+        for i, (tier, start, _) in enumerate(hit.segments):
+            if tier.detached or not any(t is tier for t in self.tiers):
+                return StorageHit(hit.first_page, hit.keys[:start], hit.segments[:i], hit.page_size)
+        return hit
+
+    def using(self, tier: StorageTier) -> list[Prefetch]:
+        """The prefetches still to finish that read (or will read) from ``tier``."""
+        ops = {id(op): op for op in list(self.running.values())}.values()
+        return [op for op in ops if not op.done and any(t is tier for t, _, _ in op.segments)]
+
     async def before_retrieve(self, tb: TokenBytes) -> None:
         """Let storage pages of ``tb`` arrive as the policy allows, then end their prefetch."""
         if not self.tiers:
@@ -239,11 +258,13 @@ class Prefetcher:
             _, op = await self.lookup(tb, match, start=True, needed=True)
             if op is None:
                 return
+        started = anyio.current_time()
         try:
             wait = self.policy.wait_s(op.tokens)
             await op.wait(None if math.isinf(wait) else op.created + wait - anyio.current_time())
         finally:
             op.cancel()
+            self.counters.latency["prefetch_wait"].observe(anyio.current_time() - started)
 
     def cancel_all(self) -> None:
         for op in {id(op): op for op in self.running.values()}.values():

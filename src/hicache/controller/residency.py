@@ -13,10 +13,13 @@ only place that asks, for both tiers:
 
 The device boundary leads to the host tier, the host boundary to every storage tier; the lowest
 tier there is (the host without storage tiers, the device without a host tier) may always drop.
+Storage tiers come and go at runtime (``attach_storage`` / ``detach_storage``), so whether there is
+storage below the host is read from the live list of tiers each time, never fixed at construction.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from enum import Enum
 
 from ..policies.base import WritePolicy
@@ -33,10 +36,19 @@ class Verdict(Enum):
 
 
 class Residency:
-    def __init__(self, write_policy: WritePolicy, *, has_host: bool = True, has_storage: bool = False) -> None:
+    def __init__(
+        self, write_policy: WritePolicy, *, has_host: bool = True, has_storage: bool = False,
+        storage: Sized | None = None,
+    ) -> None:
         self.write_policy = write_policy
         self.has_host = has_host  # no host tier (capacity 0): the device is the bottom
-        self.has_storage = has_storage
+        self._storage = storage  # the controller's live list of storage tiers (attach/detach change it)
+        self._fixed_storage = has_storage
+
+    @property
+    def has_storage(self) -> bool:
+        """Is there a storage tier below the host right now?"""
+        return bool(self._storage) if self._storage is not None else self._fixed_storage
 
     def promised(self, node: TreeNode) -> bool:
         """Does the write policy promise ``node``'s pages to the tier below the one they are in?"""
@@ -58,10 +70,11 @@ class Residency:
 
     def leave_host(self, node: TreeNode) -> Verdict:
         """May ``node``'s host pages be dropped? (The caller checked it is unpinned and not loading.)"""
+        if node.storing:
+            # A write reads these pages, even one whose tiers were all detached meanwhile (it ends at once).
+            return Verdict.WAIT
         if not self.has_storage or node.stored:
             return Verdict.FREE
-        if node.storing:
-            return Verdict.WAIT
         if not self.promised(node):
             return Verdict.FREE
         if node.store_failed:

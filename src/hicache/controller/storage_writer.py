@@ -5,9 +5,18 @@ reads; the device copy may still be evicted meanwhile. A write that fails marks 
 ``store_failed``: it is not tried again, and its pages may then leave the host, counted as lost. Each tier is written from host memory (tiers
 are written side by side, a lower tier is not fed from the one above it), after asking it which
 pages it already has: keys are chained, so ``exists`` says how many leading pages to skip.
+
+Tiers may be attached or detached while a write runs: a write goes to the tiers attached when it
+starts (a snapshot). A tier detached meanwhile is skipped, and its failures do not count: a page
+is never marked failed (and later counted lost) for a tier that no longer exists. A write all of
+whose tiers were detached reports nothing (``None``): its pages stay owed to whatever storage there
+is when they would leave memory. ``wait_writes_to(tier)`` lets a detach wait for the writes that
+still include the tier.
 """
 
 from __future__ import annotations
+
+import anyio
 
 from ..radix_tree import HiRadixTree, TreeNode
 from ..stats import Counters
@@ -23,6 +32,9 @@ class StorageWriter:
         self.tiers = tiers
         self.counters = counters
         self.page_bytes = page_bytes
+        self._running: dict[int, tuple[StorageTier, ...]] = {}  # write id -> its tiers
+        self._ids = 0
+        self._changed = anyio.Event()
 
     def wanted(self, node: TreeNode) -> bool:
         return (
@@ -47,24 +59,50 @@ class StorageWriter:
             elif stored is False:
                 covered.store_failed = True
 
-    async def write(self, jobs: list[StorageJob]) -> list[bool]:
-        """Write every job to every tier; per job, whether all tiers now hold all of its pages."""
-        ok = [True] * len(jobs)
-        for tier in self.tiers:
-            keys: list[bytes] = []
-            pages: list[int] = []
-            owner: list[int] = []
-            for j, job in enumerate(jobs):
-                have = await tier.exists(job.keys)
-                tier.skipped_pages += have
-                keys += job.keys[have:]
-                pages += job.host_pages[have:]
-                owner += [j] * (len(job.keys) - have)
-            if not keys:
-                continue
-            written = await tier.store(keys, pages)
-            for j in set(owner[written:]):
-                ok[j] = False
-            self.counters.storage_backups += written
-            self.counters.bytes_moved["host_to_storage"] += written * self.page_bytes
+    async def write(self, jobs: list[StorageJob]) -> list[bool | None]:
+        """Write every job to every tier attached now; per job, whether all of those still attached
+        hold all of its pages (``None`` when every one of them was detached meanwhile)."""
+        tiers = tuple(self.tiers)
+        ok: list[bool | None] = [True] * len(jobs)
+        self._ids += 1
+        me = self._ids
+        self._running[me] = tiers
+        try:
+            for tier in tiers:
+                if tier.detached:
+                    continue
+                keys: list[bytes] = []
+                pages: list[int] = []
+                owner: list[int] = []
+                for j, job in enumerate(jobs):
+                    have = await tier.exists(job.keys)
+                    tier.skipped_pages += have
+                    keys += job.keys[have:]
+                    pages += job.host_pages[have:]
+                    owner += [j] * (len(job.keys) - have)
+                if not keys:
+                    continue
+                written = await tier.store(keys, pages)
+                self.counters.storage_backups += written
+                self.counters.bytes_moved["host_to_storage"] += written * self.page_bytes
+                if tier.detached:
+                    continue  # detached while we wrote: its shortfall is nobody's loss
+                for j in set(owner[written:]):
+                    ok[j] = False
+        finally:
+            del self._running[me]
+            self._changed.set()
+            self._changed = anyio.Event()
+        if all(tier.detached for tier in tiers):
+            return [None] * len(jobs)
         return ok
+
+    def writing_to(self, tier: StorageTier) -> int:
+        """How many writes in flight include ``tier``."""
+        return sum(tier in tiers for tiers in self._running.values())
+
+    async def wait_writes_to(self, tier: StorageTier) -> None:
+        """Return once no write in flight includes ``tier`` (new writes never do once it is detached
+        from the list)."""
+        while self.writing_to(tier):
+            await self._changed.wait()

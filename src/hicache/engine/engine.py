@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -98,6 +98,7 @@ class Engine(anyio.AsyncContextManagerMixin):
         max_kv_tokens: int | None = None,
         shutdown_timeout_s: float = 30.0,
         store_prompt: bool = True,
+        on_result: Callable[[RequestResult], None] | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 1:
             raise ValueError("max_running and max_waiting must be >= 1")
@@ -109,6 +110,7 @@ class Engine(anyio.AsyncContextManagerMixin):
         self.max_kv_tokens = max_kv_tokens
         self.shutdown_timeout_s = shutdown_timeout_s
         self.store_prompt = store_prompt  # share the prompt's pages as soon as it is prefilled
+        self.on_result = on_result  # called with each finished request (e.g. EngineMetrics.observe)
         self._send, self._receive = anyio.create_memory_object_stream[RequestHandle](max_waiting)
         self._slots = anyio.Semaphore(max_running)
         self._kv_in_use = 0  # prompt + output tokens of the running requests
@@ -275,4 +277,6 @@ class Engine(anyio.AsyncContextManagerMixin):
         if handle.hit is not None and handle.hit.prefetch is not None and error is not None:
             handle.hit.prefetch.cancel()
         handle._finish(result, error)
+        if result is not None and self.on_result is not None:
+            self.on_result(result)
 

@@ -24,6 +24,13 @@ All three return "how many consecutive pages from the start": pages are chained 
 whole prefix), so a page after a gap is of no use. A backend is entered with ``async with`` (or
 ``open()`` / ``aclose()``); its constructor does no I/O.
 
+**Listing** (optional, for ``hicache inspect``): a backend that can enumerate what it holds sets
+``can_list = True`` and implements ``_list()``, an async iterator of ``StoredPage`` batches (storage
+name, size, last use where known). ``list_pages()`` then yields them with the same timeout and error
+mapping as every verb; a backend that cannot list raises ``ListingUnsupportedError`` saying so.
+``read_stored`` reads listed pages whole, at the size the listing gave (no geometry needed), and
+``read_headers`` only their headers (backends with ranged reads override ``_read_headers``).
+
 Timeouts cancel the narrow call. A backend that runs blocking I/O in worker threads finishes the
 batch in hand first (a thread cannot be interrupted, and its buffers must outlive it), so for such
 backends the timeout bounds the wait between batches, not a stuck system call.
@@ -33,8 +40,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
@@ -47,15 +54,30 @@ from ...errors import (
     ConfigError,
     HiCacheError,
     InvalidRequestError,
+    ListingUnsupportedError,
     StorageBackendError,
     StorageTimeoutError,
 )
 from ...keys import KEY_BYTES
+from ...stats import HistogramSnapshot, LatencyHistogram
 from .page_format import HEADER_BYTES
 
-__all__ = ["BackendSettings", "PageIO", "StorageBackend", "StorageBackendStats"]
+__all__ = ["BackendSettings", "PageIO", "StorageBackend", "StorageBackendStats", "StoredPage"]
 
-_VERBS = ("exists", "get", "set", "delete", "clear")
+_VERBS = ("exists", "get", "set", "delete", "clear", "list")
+
+
+@dataclass(frozen=True)
+class StoredPage:
+    """One page a backend lists: its storage name, its size in bytes, and when it was last used.
+
+    ``last_used`` is a Unix time where the backend keeps one (the file tier's mtime, which reads
+    refresh; Valkey's idle time; S3's last modification), ``None`` where it cannot tell (Mooncake).
+    """
+
+    key: bytes
+    size: int | None
+    last_used: float | None
 
 
 class PageIO(NamedTuple):
@@ -144,6 +166,9 @@ class StorageBackendStats:
     stored_pages: int | None
     evicted_pages: int
     corrupt_pages: int  # pages that failed verification (truncated, foreign, bad checksum): misses
+    latencies: MappingProxyType[str, HistogramSnapshot] = field(  # seconds per call, per verb
+        default_factory=lambda: MappingProxyType({})
+    )
 
 
 class StorageBackend(ABC):
@@ -153,6 +178,8 @@ class StorageBackend(ABC):
     Settings: ClassVar[type[BackendSettings]] = BackendSettings
     #: Most pages handed to one call of ``_get`` / ``_set`` / ``_exists``.
     max_batch: ClassVar[int] = 256
+    #: Whether ``list_pages`` works (the backend implements ``_list``).
+    can_list: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         try:
@@ -166,6 +193,7 @@ class StorageBackend(ABC):
         self._is_open = False
         self._calls = dict.fromkeys(_VERBS, 0)
         self._seconds = dict.fromkeys(_VERBS, 0.0)
+        self._latency = {verb: LatencyHistogram() for verb in _VERBS}
         self._pages_read = self._pages_written = 0
         self._bytes_read = self._bytes_written = 0
         self._errors = self._timeouts = 0
@@ -264,7 +292,70 @@ class StorageBackend(ABC):
             stored_pages=pages,
             evicted_pages=self.evicted_pages,
             corrupt_pages=self.corrupt_pages,
+            latencies=MappingProxyType({verb: h.snapshot() for verb, h in self._latency.items()}),
         )
+
+    # -- listing (optional) ---------------------------------------------------------------------
+
+    @classmethod
+    def inspection_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The settings to open this backend with for ``hicache inspect`` (a reader, not a cache).
+
+        Backends that would lend resources to the store as a side effect (Mooncake's segment)
+        override this to turn that off.
+        """
+        return dict(options)
+
+    async def list_pages(self) -> AsyncIterator[list[StoredPage]]:
+        """Every page this backend holds (under its prefix or folder), in batches.
+
+        Raises ``ListingUnsupportedError`` when the backend cannot list, and ``StorageError`` when a
+        batch fails or exceeds ``timeout_s``. Pages written or removed meanwhile may or may not appear.
+        """
+        if not type(self).can_list:
+            raise ListingUnsupportedError(self.kind)
+        self._check_open()
+        batches = self._list().__aiter__()
+        while True:
+            batch = await self._call("list", _next_or_none, batches)
+            if batch is None:
+                return
+            if batch:
+                yield batch
+
+    async def read_stored(self, pages: Sequence[StoredPage]) -> list[bytes | None]:
+        """Each listed page as stored (header + payload), read at its listed size; ``None`` if it is
+        gone, changed size meanwhile, or is too short to hold a header (nothing to read)."""
+        out: list[bytes | None] = [None] * len(pages)
+        readable = [i for i, p in enumerate(pages) if p.size is not None and p.size >= HEADER_BYTES]
+        pos = 0
+        while pos < len(readable):
+            chunk = readable[pos : pos + self.max_batch]
+            bufs = [bytearray(pages[i].size or 0) for i in chunk]
+            ios = [PageIO.of(memoryview(b)[:HEADER_BYTES], memoryview(b)[HEADER_BYTES:]) for b in bufs]
+            n = await self.get([pages[i].key for i in chunk], ios)
+            for j in range(n):
+                out[chunk[j]] = bytes(bufs[j])
+            pos += max(n, 0) + (1 if n < len(chunk) else 0)  # skip the page that stopped the read
+        return out
+
+    async def read_headers(self, pages: Sequence[StoredPage]) -> list[bytes | None]:
+        """The first ``HEADER_BYTES`` of each listed page (``None``: gone, or shorter than a header)."""
+        self._check_open()
+        out: list[bytes | None] = []
+        for start in range(0, len(pages), self.max_batch):
+            out += await self._read_headers(pages[start : start + self.max_batch])
+        return out
+
+    async def _read_headers(self, pages: Sequence[StoredPage]) -> list[bytes | None]:
+        """Default: read each page whole and keep its header. Backends with ranged reads override it
+        (through ``self._call("get", ...)``, so the timeout and the error mapping apply)."""
+        return [None if blob is None else blob[:HEADER_BYTES] for blob in await self.read_stored(pages)]
+
+    async def _list(self) -> AsyncIterator[list[StoredPage]]:
+        """Yield batches of ``StoredPage``; only called when ``can_list`` is set."""
+        raise NotImplementedError
+        yield []  # pragma: no cover - makes this an async generator
 
     # -- what a backend implements --------------------------------------------------------------
 
@@ -348,12 +439,21 @@ class StorageBackend(ABC):
             self._errors += 1
             raise StorageBackendError(self.kind, verb, f"{type(exc).__name__}({_masked(exc)!r})") from exc
         finally:
-            self._seconds[verb] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self._seconds[verb] += elapsed
+            self._latency[verb].observe(elapsed)
 
     def __repr__(self) -> str:
         used, capacity, pages = self._usage()
         state = "open" if self._is_open else "closed"
         return f"<{type(self).__name__} {state} pages={pages} used={used} capacity={capacity}>"
+
+
+async def _next_or_none(batches: AsyncIterator[list[StoredPage]]) -> list[StoredPage] | None:
+    try:
+        return await batches.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 def _masked(exc: BaseException) -> str:

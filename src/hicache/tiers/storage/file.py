@@ -47,7 +47,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -56,9 +56,10 @@ from pydantic import Field, field_validator
 
 from ...config import ByteSize
 from ...errors import ConfigError
-from .base import BackendSettings, PageIO, StorageBackend
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage
 from .lru_index import LruIndex
 from .page_files import CORRUPT, SUFFIX, Folder, Refused, delete_pages, read_pages, unlink_at, write_pages
+from .page_format import HEADER_BYTES
 
 __all__ = ["FileBackend"]
 
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 
 _SUFFIX = SUFFIX
 _STALE_TMP_S = 15 * 60  # a temporary file this old belongs to a writer that died
+_PAGE_READ_ONLY = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _VAR = re.compile(r"\$(?P<name>[A-Za-z_][A-Za-z0-9_]*)")  # $VAR; ${VAR} is load_config's (strict there)
 
 
@@ -91,6 +93,7 @@ def expand_path(path: str) -> Path:
 class FileBackend(StorageBackend):
     kind = "file"
     max_batch = 64
+    can_list = True
 
     class Settings(BackendSettings):
         path: str = Field(min_length=1)
@@ -192,6 +195,78 @@ class FileBackend(StorageBackend):
 
     def _usage(self) -> tuple[int, int, int]:
         return self._index.used, self.settings.capacity, len(self._index)
+
+    # -- listing (hicache inspect) --------------------------------------------------------------
+
+    async def _list(self) -> AsyncIterator[list[StoredPage]]:
+        """One batch per shard folder, each listed in a worker thread; nothing is followed or changed.
+
+        An entry with a page's name that is not a regular file (a link, a FIFO) is listed with no
+        size, so ``inspect verify`` reports it and ``--repair`` removes the entry itself.
+        """
+        shards = await anyio.to_thread.run_sync(self._shard_names)
+        for shard in shards:
+            batch = await anyio.to_thread.run_sync(self._list_shard, shard)
+            if batch:
+                yield batch
+
+    def _shard_names(self) -> list[str]:
+        try:
+            with Folder(self.root, self._refused) as folder, os.scandir(folder.fd) as shards:
+                return sorted(s.name for s in shards if len(s.name) == 2)
+        except FileNotFoundError:
+            return []
+
+    def _list_shard(self, shard: str) -> list[StoredPage]:
+        out: list[StoredPage] = []
+        with Folder(self.root, self._refused) as folder:
+            try:
+                sfd = folder.shard(shard)
+            except Refused:
+                return out
+            if sfd is None:
+                return out
+            with os.scandir(sfd) as entries:
+                for entry in entries:
+                    key = self._key_of(entry.name)
+                    if key is None or key.hex()[:2] != shard:
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    regular = stat.S_ISREG(st.st_mode)
+                    out.append(StoredPage(key, st.st_size if regular else None, st.st_mtime if regular else None))
+        return out
+
+    async def _read_headers(self, pages: Sequence[StoredPage]) -> list[bytes | None]:
+        return await self._call("get", anyio.to_thread.run_sync, self._headers_sync, [p.key for p in pages])
+
+    def _headers_sync(self, keys: list[bytes]) -> list[bytes | None]:
+        """The first bytes of each page file, read-only: regular files only, never through a link."""
+        out: list[bytes | None] = []
+        with Folder(self.root, self._refused) as folder:
+            for key in keys:
+                shard, name = self._place(key)
+                try:
+                    sfd = folder.shard(shard)
+                except Refused:
+                    sfd = None
+                header = None
+                if sfd is not None:
+                    try:
+                        fd = os.open(name, _PAGE_READ_ONLY, dir_fd=sfd)
+                    except OSError:
+                        fd = -1
+                    if fd >= 0:
+                        try:
+                            if stat.S_ISREG(os.fstat(fd).st_mode):
+                                data = os.pread(fd, HEADER_BYTES, 0)
+                                header = data if len(data) == HEADER_BYTES else None
+                        finally:
+                            os.close(fd)
+                out.append(header)
+        return out
 
     # -- index ----------------------------------------------------------------------------------
 

@@ -7,16 +7,17 @@ nothing across processes; use it to try a storage tier, in tests, or as a templa
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from ...config import ByteSize
-from .base import BackendSettings, PageIO, StorageBackend
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage
 
 __all__ = ["MemoryBackend"]
 
 
 class MemoryBackend(StorageBackend):
     kind = "memory"
+    can_list = True
 
     class Settings(BackendSettings):
         capacity: ByteSize = 1024**3
@@ -76,6 +77,9 @@ class MemoryBackend(StorageBackend):
     async def _clear(self) -> None:
         self._pages.clear()
         self._used = 0
+
+    async def _list(self) -> AsyncIterator[list[StoredPage]]:
+        yield [StoredPage(key, len(blob), None) for key, blob in list(self._pages.items())]
 
     def _usage(self) -> tuple[int, int, int]:
         return self._used, self.settings.capacity, len(self._pages)

@@ -35,7 +35,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Annotated, Any, TypeVar
 
 import anyio
@@ -43,8 +43,8 @@ import numpy as np
 from pydantic import BeforeValidator, Field
 
 from ...config import ByteSize, parse_size
-from ...errors import StorageBackendError
-from .base import BackendSettings, PageIO, StorageBackend
+from ...errors import ListingUnsupportedError, StorageBackendError
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage
 from .lru_index import LruIndex
 from .page_format import HEADER_BYTES
 
@@ -67,6 +67,16 @@ class MooncakeError(RuntimeError):
     def __init__(self, call: str, code: int) -> None:
         super().__init__(f"{call} returned {code}")
         self.code = code
+
+
+def _key_of(name: str, prefix: str) -> bytes | None:
+    rest = name[len(prefix) + 1 :]
+    if len(rest) != 32:
+        return None
+    try:
+        return bytes.fromhex(rest)
+    except ValueError:
+        return None
 
 
 def _address(buf: memoryview) -> int:
@@ -95,6 +105,7 @@ def _root(buf: memoryview) -> tuple[object, int, int] | None:
 class MooncakeBackend(StorageBackend):
     kind = "mooncake"
     max_batch = 64
+    can_list = True  # through the master's admin port (``admin_url``); the client cannot list
 
     class Settings(BackendSettings):
         master: str = "127.0.0.1:50051"
@@ -114,6 +125,9 @@ class MooncakeBackend(StorageBackend):
         #: Bytes of pages this process keeps in the cluster, least recently used evicted first (None:
         #: leave it to the master, which evicts at its high watermark).
         capacity: ByteSize | None = None
+        #: The master's admin HTTP server (its ``--metrics_port``), e.g. ``http://127.0.0.1:9003``:
+        #: only ``hicache inspect`` uses it, to list pages (``/get_all_keys``, ``/batch_query_keys``).
+        admin_url: str | None = Field(default=None, pattern=r"^https?://[^/?#]+$")
 
     settings: Settings
 
@@ -393,6 +407,54 @@ class MooncakeBackend(StorageBackend):
 
         await self._run(call)
         self._index.clear()
+
+    # -- listing (hicache inspect) --------------------------------------------------------------
+
+    @classmethod
+    def inspection_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """A reader mounts no segment: it lends the cluster no memory, and takes no pages away when it exits."""
+        return {**options, "global_segment_size": 0}
+
+    async def _list(self) -> AsyncIterator[list[StoredPage]]:
+        """Every object under ``key_prefix/`` as the master lists it, sizes from ``/batch_query_keys``.
+
+        The client has no listing call; the master's admin port has. Mooncake keeps no access
+        time, so ``last_used`` is unknown (``inspect purge --older-than`` refuses this tier).
+        """
+        if self.settings.admin_url is None:
+            raise ListingUnsupportedError(
+                self.kind, "set admin_url to the master's admin address (its --metrics_port), "
+                "e.g. http://127.0.0.1:9003: the Mooncake client itself cannot list objects",
+            )
+        prefix = f"{self.settings.key_prefix}/"
+        text = await anyio.to_thread.run_sync(self._admin_get, "/get_all_keys", abandon_on_cancel=True)
+        names = [n for n in text.decode().split() if n.startswith(prefix)]
+        for start in range(0, len(names), 200):
+            chunk = names[start : start + 200]
+            yield await anyio.to_thread.run_sync(self._sizes, chunk, abandon_on_cancel=True)
+
+    def _admin_get(self, path: str) -> bytes:
+        import urllib.request
+
+        assert self.settings.admin_url is not None
+        with urllib.request.urlopen(self.settings.admin_url + path, timeout=self.settings.timeout_s) as reply:
+            return reply.read(256 * 1024**2)
+
+    def _sizes(self, names: list[str]) -> list[StoredPage]:
+        import json
+        from urllib.parse import quote
+
+        reply = json.loads(self._admin_get("/batch_query_keys?keys=" + quote(",".join(names), safe=",/")))
+        found = reply.get("data") or {}
+        out = []
+        for name in names:
+            key = _key_of(name, self.settings.key_prefix)
+            entry = found.get(name) or {}
+            values = entry.get("values") or []
+            if key is None or not entry.get("ok") or not values:
+                continue  # removed meanwhile, or not one of our names
+            out.append(StoredPage(key, int(values[0].get("size_", 0)) or None, None))
+        return out
 
     def _usage(self) -> tuple[int, int | None, int]:
         """What this process knows is stored (the cluster may hold more, written by others)."""

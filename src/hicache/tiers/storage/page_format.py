@@ -45,7 +45,10 @@ import xxhash
 from ...keys import KEY_BYTES, TenantKey
 from ..base import KVGeometry
 
-__all__ = ["HEADER_BYTES", "FORMAT_VERSION", "KEYED_FORMAT_VERSION", "MAGIC", "PageCodec"]
+__all__ = [
+    "HEADER_BYTES", "FORMAT_VERSION", "KEYED_FORMAT_VERSION", "MAGIC", "PageCodec", "PageHeader", "StoredPageCheck",
+    "check_stored_page", "parse_header",
+]
 
 MAGIC = b"HICACHE\x00"
 FORMAT_VERSION = 1  # xxh3-64 checksum, no key
@@ -171,3 +174,98 @@ class PageCodec:
         if payload_len != self.payload_bytes:
             return "length"
         return "key"
+
+
+# --------------------------------------------------------------------------- inspection
+#
+# ``hicache inspect`` reads pages it did not ask for by page key: it lists storage names. What it
+# can check, with and without a tenant key (see the README's "Operating hicache"):
+#
+# * every header names the storage name it was written under, and the check value covers it, so
+#   a page can be checked from its storage name alone: the page key (and the tokens behind it)
+#   is never needed;
+# * a format-1 page (no tenant key) is self-describing: its xxh3 checksum is recomputed from its
+#   own header fields and payload, whatever model or geometry wrote it;
+# * a format-2 page (a tenant key) can be checked only with the MAC key of its namespace: the
+#   reader's own pages are verified exactly (name, fields, MAC); pages of another tenant or of
+#   another model under the same key are "unverifiable": neither proven good nor proven bad;
+# * nobody can check that a page holds the KV of the tokens its name stands for (the name is a
+#   one-way hash of them), nor find pages whose predecessor in the chain is gone.
+
+
+@dataclass(frozen=True)
+class PageHeader:
+    """The fields of a stored page's header, as written (nothing verified)."""
+
+    version: int
+    namespace: bytes  # the namespace digest (format 1) or an identifier derived from the MAC key (format 2)
+    key: bytes  # the storage name the page was written under
+    geometry: tuple[int, int, int, int, int]  # components, layers, page_size, kv heads, head dim
+    dtype: str
+    payload_bytes: int
+
+    @property
+    def shape(self) -> str:
+        c, layers, page, heads, dim = self.geometry
+        return f"{c}x{layers}x{page}x{heads}x{dim} {self.dtype}"
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def parse_header(header: bytes | memoryview) -> PageHeader | None:
+    """The header's fields, or ``None`` when it is not a hicache page header (short, wrong magic)."""
+    if len(header) < HEADER_BYTES:
+        return None
+    magic, version, header_bytes, namespace, key, *geometry, dtype, payload_len = _FIELDS.unpack(
+        bytes(header[: _FIELDS.size])
+    )
+    if magic != MAGIC or header_bytes != HEADER_BYTES:
+        return None
+    return PageHeader(
+        version=version, namespace=namespace, key=key, geometry=tuple(geometry),  # type: ignore[arg-type]
+        dtype=dtype.rstrip(b"\x00").decode("ascii", "replace"), payload_bytes=payload_len,
+    )
+
+
+@dataclass(frozen=True)
+class StoredPageCheck:
+    """What ``check_stored_page`` found: ``status`` is ``ok`` (verified), ``corrupt`` (proven bad:
+    safe to remove) or ``unverifiable`` (another tenant's or namespace's keyed page)."""
+
+    status: str
+    reason: str | None
+    header: PageHeader | None
+    ours: bool  # written by the reader's own namespace (and tenant key)
+
+
+def check_stored_page(codec: PageCodec, storage_key: bytes, blob: bytes | None) -> StoredPageCheck:
+    """Check one page read whole from storage under ``storage_key``, as far as ``codec`` allows."""
+    if blob is None:
+        return StoredPageCheck("corrupt", "unreadable", None, False)
+    header = parse_header(blob[:HEADER_BYTES])
+    if header is None:
+        return StoredPageCheck("corrupt", "not a hicache page" if len(blob) >= HEADER_BYTES else "truncated", None, False)
+    ours = header.version == codec.version and header.namespace == codec._namespace_field
+    payload = memoryview(blob)[HEADER_BYTES:]
+    if header.key != storage_key:
+        return StoredPageCheck("corrupt", "stored under another name", header, ours)
+    if header.payload_bytes != len(payload):
+        return StoredPageCheck("corrupt", "truncated" if len(payload) < header.payload_bytes else "length", header, ours)
+    c, layers, page, heads, dim = header.geometry
+    itemsize = _ITEMSIZE.get(header.dtype)
+    if itemsize is not None and c * layers * page * heads * dim * itemsize != header.payload_bytes:
+        return StoredPageCheck("corrupt", "geometry", header, ours)
+    if ours:
+        reason = codec.check(storage_key, memoryview(blob)[:HEADER_BYTES], [payload])
+        return StoredPageCheck("ok" if reason is None else "corrupt", reason, header, True)
+    if header.version == FORMAT_VERSION:
+        # Unkeyed: anyone can recompute the checksum from the page's own fields.
+        x = xxhash.xxh3_64()
+        x.update(blob[: _FIELDS.size])
+        x.update(payload)
+        stored = _CHECKSUM.unpack(blob[_CHECKSUM_AT : _CHECKSUM_AT + _CHECKSUM.size])[0]
+        return StoredPageCheck("ok" if stored == x.intdigest() else "corrupt", None if stored == x.intdigest() else "checksum", header, False)
+    if header.version == KEYED_FORMAT_VERSION:
+        return StoredPageCheck("unverifiable", "keyed by another tenant key or namespace", header, False)
+    return StoredPageCheck("corrupt", "version", header, False)

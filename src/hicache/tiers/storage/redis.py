@@ -41,8 +41,9 @@ import anyio
 from pydantic import Field, SecretStr, model_validator
 
 from ...config import ByteSize
-from .base import BackendSettings, PageIO, StorageBackend
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage
 from .lru_index import LruIndex
+from .page_format import HEADER_BYTES
 
 __all__ = ["RedisBackend", "scan_pattern"]
 
@@ -59,6 +60,7 @@ def scan_pattern(prefix: bytes) -> bytes:
 
 class RedisBackend(StorageBackend):
     kind = "redis"
+    can_list = True
     #: Pages per pipeline: 32 pages of a few MiB keep one round trip well under the server's limits.
     max_batch = 32
 
@@ -332,6 +334,52 @@ class RedisBackend(StorageBackend):
         for client in clients:
             async for name in client.scan_iter(match=scan_pattern(self._prefix), count=1000):
                 yield name
+
+    # -- listing (hicache inspect) --------------------------------------------------------------
+
+    async def _list(self) -> AsyncIterator[list[StoredPage]]:
+        """Pages under ``key_prefix`` on every primary, 500 at a time, with their sizes (``STRLEN``)
+        and last use (``OBJECT IDLETIME``; unknown under an LFU ``maxmemory-policy``)."""
+        names: list[bytes] = []
+        async for name in self.scan_keys():
+            if self._page_key(name) is not None:
+                names.append(name)
+            if len(names) >= 500:
+                yield await self._describe(names)
+                names = []
+        if names:
+            yield await self._describe(names)
+
+    def _page_key(self, name: bytes) -> bytes | None:
+        rest = name[len(self._prefix) :]
+        if len(rest) != 32:
+            return None
+        try:
+            return bytes.fromhex(rest.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+
+    async def _describe(self, names: list[bytes]) -> list[StoredPage]:
+        sizes = await self._pipelined(names, lambda pipe, i: pipe.strlen(names[i]))
+        idle = await self._pipelined(names, lambda pipe, i: pipe.object("idletime", names[i]))
+        now = time.time()
+        out = []
+        for name, size, seconds in zip(names, sizes, idle, strict=True):
+            key = self._page_key(name)
+            if key is None or isinstance(size, BaseException) or not size:
+                continue  # gone meanwhile (STRLEN 0), or its node did not answer
+            used = now - seconds if isinstance(seconds, int) else None
+            out.append(StoredPage(key, int(size), used))  # type: ignore[call-overload]
+        return out
+
+    async def _read_headers(self, pages: Sequence[StoredPage]) -> list[bytes | None]:
+        names = [self._key(p.key) for p in pages]
+
+        async def ranges() -> list[object]:
+            return await self._pipelined(names, lambda pipe, i: pipe.getrange(names[i], 0, HEADER_BYTES - 1))
+
+        values = await self._call("get", ranges)
+        return [v if isinstance(v, bytes) and len(v) == HEADER_BYTES else None for v in values]
 
     async def _clear(self) -> None:
         """Remove this prefix's pages only: the server may hold other data."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -51,8 +51,9 @@ from pydantic import Field, SecretStr
 
 from ...config import ByteSize
 from ...errors import ConfigError
-from .base import BackendSettings, PageIO, StorageBackend
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage
 from .lru_index import LruIndex
+from .page_format import HEADER_BYTES
 
 __all__ = ["S3Backend"]
 
@@ -65,6 +66,7 @@ _MISSING = object()  # a key the store does not hold
 
 class S3Backend(StorageBackend):
     kind = "s3"
+    can_list = True
     #: Pages per batch: 16 pages of a few MiB keep one batch well inside ``timeout_s`` even on a
     #: slow store (SeaweedFS here takes about 0.06 GB/s of PUTs).
     max_batch = 16
@@ -232,6 +234,57 @@ class S3Backend(StorageBackend):
             if paths:
                 await self._obs.delete_async(self._store, paths)
         self._index.clear()
+
+    # -- listing (hicache inspect) --------------------------------------------------------------
+
+    async def _list(self) -> AsyncIterator[list[StoredPage]]:
+        """Objects under ``key_prefix/`` (``LIST``, 1,000 a page), with size and last modification."""
+        async for batch in self._obs.list(self._store, prefix=self._prefix, chunk_size=1000):
+            out = []
+            for meta in batch:
+                key = self._key_of(meta["path"])
+                if key is not None:
+                    out.append(StoredPage(key, int(meta["size"]), meta["last_modified"].timestamp()))
+            yield out
+
+    def _key_of(self, path: str) -> bytes | None:
+        shard, _, name = path[len(self._prefix) :].partition("/")
+        if len(name) != 32 or name[:2] != shard:
+            return None
+        try:
+            return bytes.fromhex(name)
+        except ValueError:
+            return None
+
+    async def _read_headers(self, pages: Sequence[StoredPage]) -> list[bytes | None]:
+        async def head(page: StoredPage) -> object:
+            try:
+                blob = await self._obs.get_range_async(self._store, self.path_of(page.key), start=0, length=HEADER_BYTES)
+            except FileNotFoundError:
+                return None
+            return bytes(blob) if len(blob) == HEADER_BYTES else None
+
+        async def all_heads() -> list[object]:
+            return await self._each_all(pages, head)
+
+        return await self._call("get", all_heads)  # type: ignore[return-value]
+
+    async def _each_all(self, items: Sequence[Any], fn: Callable[[Any], Awaitable[object]]) -> list[object]:
+        """``fn`` on every item, ``max_concurrency`` at a time (none stops the others)."""
+        results: list[object] = [None] * len(items)
+        limiter = anyio.Semaphore(self.settings.max_concurrency)
+
+        async def one(i: int) -> None:
+            async with limiter:
+                try:
+                    results[i] = await fn(items[i])
+                except Exception:
+                    results[i] = None  # a short object (range past its end) or a failed call: unread
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(items)):
+                tg.start_soon(one, i)
+        return results
 
     def _usage(self) -> tuple[int, int | None, int]:
         """What this process knows is stored (the bucket may hold more, written by others)."""

@@ -10,6 +10,10 @@ fail a request.
 Backends never see page keys: the codec names each page (``PageCodec.storage_keys``; with a tenant
 key, a keyed hash of the page key) and the tier hands those names down, and checks every page read
 against its name, so a page stored under another name, by another tenant or by a forger is a miss.
+
+Detaching (``HiCache.detach_storage``): once ``detached`` is set, every operation is a miss or an
+unwritten page without calling the backend, and ``wait_idle()`` returns when the calls already in
+flight have ended, so the backend can be closed under nobody.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from ...errors import StorageError
+from ...logs import RateLimited
 from ...stats import StorageTierStats
 from ..host import HostPool
 from .base import PageIO, StorageBackend
@@ -52,8 +57,35 @@ class StorageTier:
         self.skipped_pages = 0
         self.failures = 0
         self.hit_tokens = 0
+        self.miss_tokens = 0
+        self.detached = False  # set by detach: no new backend call starts
+        self._in_flight = 0
+        self._idle = anyio.Event()
+        self._idle.set()
         self._pieces: np.ndarray | None = None  # byte view of the host pool, indexed by page
         self._healthy = True
+        self._corrupt_log = RateLimited(log)
+
+    # -- detaching ------------------------------------------------------------------------------
+
+    def _enter(self) -> bool:
+        """Count a call in flight; False (do nothing, a miss) once the tier is detached."""
+        if self.detached:
+            return False
+        if self._in_flight == 0:
+            self._idle = anyio.Event()
+        self._in_flight += 1
+        return True
+
+    def _exit(self) -> None:
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return when no call is in flight (each is bounded by the backend's ``timeout_s``)."""
+        while self._in_flight:
+            await self._idle.wait()
 
     async def __aenter__(self) -> StorageTier:
         await self.backend.open()
@@ -106,13 +138,15 @@ class StorageTier:
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         """Consecutive pages of ``keys`` present from the start (0 when the backend fails)."""
-        if not keys:
+        if not keys or not self._enter():
             return 0
         try:
             found = await self.backend.exists(self.codec.storage_keys(keys))
         except StorageError as exc:
             self._failed(exc)
             return 0
+        finally:
+            self._exit()
         self._succeeded()
         return found
 
@@ -131,6 +165,16 @@ class StorageTier:
         as corrupt and deleted from the backend, so a later ``store`` writes the page again.
         """
         assert len(keys) == len(host_pages)
+        if not self._enter():
+            return 0
+        try:
+            return await self._fetch(keys, host_pages, on_batch)
+        finally:
+            self._exit()
+
+    async def _fetch(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], on_batch: Callable[[int, int], bool] | None
+    ) -> int:
         keys = self.codec.storage_keys(keys)
         starts = range(0, len(keys), self.batch_pages)
         total = 0
@@ -177,7 +221,10 @@ class StorageTier:
 
     async def _drop_corrupt(self, key: bytes, reason: str) -> None:
         self.backend.corrupt_pages += 1
-        log.warning("storage tier %s: page %s failed verification (%s); dropped", self.name, key.hex(), reason)
+        self._corrupt_log.warning(
+            reason, "storage tier %s: page %s failed verification (%s); dropped (%d corrupt pages so far)",
+            self.name, key.hex(), reason, self.backend.corrupt_pages,
+        )
         await self._drop(key)
 
     async def _drop(self, key: bytes) -> None:
@@ -193,6 +240,14 @@ class StorageTier:
         batch is written, so a MAC's CPU time hides behind the backend's I/O.
         """
         assert len(keys) == len(host_pages)
+        if not self._enter():
+            return 0
+        try:
+            return await self._store(keys, host_pages)
+        finally:
+            self._exit()
+
+    async def _store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         keys = self.codec.storage_keys(keys)
         step = self.batch_pages
         starts = range(0, len(keys), step)
@@ -233,7 +288,10 @@ class StorageTier:
         self.failures += 1
         if self._healthy:
             self._healthy = False
-            log.warning("storage tier %s: %s; treated as misses (more failures logged at debug level)", self.name, exc)
+            log.warning(
+                "storage tier %s: %s; treated as misses (more failures logged at debug level; %d so far)",
+                self.name, exc, self.failures,
+            )
         else:
             log.debug("storage tier %s: %s", self.name, exc)
 
@@ -252,6 +310,7 @@ class StorageTier:
             failures=self.failures,
             hit_tokens=self.hit_tokens,
             backend=self.backend.stats(),
+            miss_tokens=self.miss_tokens,
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,262 @@
+"""``serve(cache, port)``: a small HTTP server on the cache's event loop for ``/metrics`` and the admin API.
+
+For a process that has no metrics server of its own (an engine that has one registers
+``HiCacheCollector`` in its registry instead). It runs as tasks of the caller's event loop (the
+cache's), so a scrape reads the counters on the thread that changes them and an admin request calls
+``attach_storage`` / ``detach_storage`` directly, with no thread hop and no lock.
+
+Routes:
+
+* ``GET /metrics``: the Prometheus text format (``registry``: the cache's collector, plus whatever
+  else the caller registered, e.g. ``EngineMetrics``);
+* ``GET /healthz``: ``200 ok`` while the cache serves, ``503`` once it failed or closed;
+* with ``admin=True``: ``GET /admin/storage`` (the chain, JSON), ``POST /admin/storage/attach``
+  (``{"entry": {...}, "position": null}``) and ``POST /admin/storage/detach``
+  (``{"name": "...", "drain": true, "timeout_s": null}``). Admin requests need
+  ``Authorization: Bearer <admin_token>`` when a token is set; an admin server on an address other
+  than loopback refuses to start without one.
+
+Why an endpoint and not a CLI that talks to the process some other way: a running engine already
+exposes an HTTP port for metrics to its operators (and Prometheus), the attach/detach calls must
+run on the cache's event loop, and an HTTP request is something any deployment tool can send.
+``hicache admin`` is a thin client of these routes.
+
+Requests are bounded (request line and headers 16 KiB, bodies 64 KiB, 10 s to send them) and
+answered with ``Connection: close``; a malformed request gets a 400 and never reaches the cache.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from anyio.abc import SocketStream
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..errors import ConfigError, HiCacheError
+from .collector import HiCacheCollector
+
+if TYPE_CHECKING:
+    from ..cache import HiCache
+
+__all__ = ["MetricsServer", "registry_for", "serve"]
+
+log = logging.getLogger(__name__)
+
+_MAX_HEAD = 16 * 1024
+_MAX_BODY = 64 * 1024
+_READ_TIMEOUT_S = 10.0
+
+
+def registry_for(cache: HiCache, **collector_options: Any) -> CollectorRegistry:
+    """A fresh registry holding the cache's collector (merge it: ``registry.register(...)`` more)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(HiCacheCollector(cache, **collector_options))
+    return registry
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class MetricsServer:
+    """A running server: ``url`` / ``port`` to reach it; closed when the ``serve`` block exits."""
+
+    def __init__(self, cache: HiCache, registry: CollectorRegistry, admin: bool, admin_token: str | None) -> None:
+        self.cache = cache
+        self.registry = registry
+        self.admin = admin
+        self._token = admin_token
+        self.host = ""
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    async def handle(self, stream: SocketStream) -> None:
+        async with stream:
+            try:
+                with anyio.fail_after(_READ_TIMEOUT_S):
+                    method, path, headers, body = await _read_request(stream)
+                status, ctype, payload = await self._route(method, path, headers, body)
+            except _BadRequest as exc:
+                status, ctype, payload = exc.status, "application/json", _json({"error": str(exc)})
+            except TimeoutError:
+                return  # a client that does not finish its request in time: dropped
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
+                return
+            except Exception as exc:  # a bug must cost one request a 500, never the server (or the caller's block)
+                log.error("metrics server: %s failed", type(exc).__name__, exc_info=exc)
+                status, ctype, payload = 500, "application/json", _json({"error": f"{type(exc).__name__}: {exc}"})
+            reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+                      413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}.get(status, "")
+            head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(payload)}\r\n"
+                    "Connection: close\r\n\r\n").encode()
+            try:
+                await stream.send(head + payload)
+            except (anyio.BrokenResourceError, ConnectionError):
+                pass
+
+    async def _route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str, bytes]:
+        path = path.split("?", 1)[0]
+        if path == "/metrics":
+            _allow(method, "GET")
+            return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+        if path == "/healthz":
+            _allow(method, "GET")
+            try:
+                self.cache.controller.check_open()
+            except HiCacheError as exc:
+                return 503, "text/plain; charset=utf-8", f"unavailable: {exc}\n".encode()
+            return 200, "text/plain; charset=utf-8", b"ok\n"
+        if not (self.admin and path.startswith("/admin/")):
+            raise _BadRequest(404, f"no route {path}")
+        self._authorize(headers)
+        return 200, "application/json", _json(await self._admin(method, path, body))
+
+    def _authorize(self, headers: dict[str, str]) -> None:
+        if self._token is None:
+            return
+        given = headers.get("authorization", "")
+        expected = f"Bearer {self._token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise _BadRequest(401, "admin requests need `Authorization: Bearer <token>` (HICACHE_ADMIN_TOKEN)")
+
+    async def _admin(self, method: str, path: str, body: bytes) -> Any:
+        cache = self.cache
+        if path == "/admin/storage":
+            _allow(method, "GET")
+            return {"storage": [
+                {"name": s.name, "kind": s.kind, "position": s.position} for s in cache.stats().storage.values()
+            ]}
+        _allow(method, "POST")
+        request = _json_body(body)
+        try:
+            if path == "/admin/storage/attach":
+                entry = request.get("entry")
+                position = request.get("position")
+                log.info("admin: attach storage tier %s (%s) at %s", _name_of(entry), _kind_of(entry),
+                         "the end" if position is None else f"position {position}")
+                change = await cache.attach_storage(entry, position)  # type: ignore[arg-type]
+            elif path == "/admin/storage/detach":
+                name = request.get("name")
+                if not isinstance(name, str):
+                    raise _BadRequest(400, "detach needs {\"name\": \"<tier name>\"}")
+                drain = request.get("drain", True)
+                timeout = request.get("timeout_s")
+                if not isinstance(drain, bool) or not (timeout is None or isinstance(timeout, (int, float))):
+                    raise _BadRequest(400, "drain is true or false, timeout_s a number of seconds or null")
+                log.info("admin: detach storage tier %s (drain=%s)", name, drain)
+                change = await cache.detach_storage(name, drain=drain, timeout_s=timeout)
+            else:
+                raise _BadRequest(404, f"no admin route {path}")
+        except HiCacheError as exc:
+            raise _BadRequest(400, str(exc)) from exc
+        return asdict(change)
+
+
+def _allow(method: str, wanted: str) -> None:
+    if method != wanted:
+        raise _BadRequest(405, f"use {wanted}")
+
+
+def _name_of(entry: object) -> str:
+    return str(entry.get("name") or entry.get("kind")) if isinstance(entry, dict) else "?"
+
+
+def _kind_of(entry: object) -> str:
+    return str(entry.get("kind")) if isinstance(entry, dict) else "?"
+
+
+def _json(value: Any) -> bytes:
+    return (json.dumps(value, indent=1) + "\n").encode()
+
+
+def _json_body(body: bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(body or b"{}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise _BadRequest(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _BadRequest(400, "the body must be a JSON object")
+    return value
+
+
+async def _read_request(stream: SocketStream) -> tuple[str, str, dict[str, str], bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        if len(data) > _MAX_HEAD:
+            raise _BadRequest(413, "request head too large")
+        data += await stream.receive(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+        raise _BadRequest(400, "malformed request line")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise _BadRequest(400, "malformed header")
+        headers[name.strip().lower()] = value.strip()
+    try:
+        length = int(headers.get("content-length", "0"))
+    except ValueError:
+        raise _BadRequest(400, "bad Content-Length") from None
+    if length < 0 or length > _MAX_BODY:
+        raise _BadRequest(413, f"bodies are at most {_MAX_BODY} bytes")
+    while len(body) < length:
+        body += await stream.receive(65536)
+    return parts[0], parts[1], headers, body[:length]
+
+
+@asynccontextmanager
+async def serve(
+    cache: HiCache,
+    port: int = 9400,
+    host: str = "127.0.0.1",
+    *,
+    registry: CollectorRegistry | None = None,
+    admin: bool = False,
+    admin_token: str | None = None,
+) -> AsyncGenerator[MetricsServer]:
+    """Serve ``/metrics`` (and with ``admin`` the admin routes) while the block runs.
+
+    ``port=0`` picks a free port (``server.port``). ``registry``: what ``/metrics`` exports
+    (default: ``registry_for(cache)``); pass your own to merge the cache's metrics with others.
+    """
+    if admin and admin_token is None and not _loopback(host):
+        raise ConfigError(f"an admin server on {host} (not loopback) needs an admin_token")
+    server = MetricsServer(cache, registry if registry is not None else registry_for(cache), admin, admin_token)
+    listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    sockname = listener.extra(anyio.abc.SocketAttribute.local_address)
+    server.host, server.port = str(sockname[0]), int(sockname[1])
+    log.info("hicache metrics on %s/metrics%s", server.url, " (admin routes on)" if admin else "")
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, server.handle)
+        try:
+            yield server
+        finally:
+            tg.cancel_scope.cancel()
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
