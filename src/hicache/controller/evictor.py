@@ -12,6 +12,10 @@ both tiers:
   (batched, through the storage writer); one whose write is queued or in flight waits; one whose
   write failed goes, counted in ``lost_pages``.
 
+Victims come from candidate heaps kept up to date as nodes change (``candidates.py``), so a round
+costs O(log n) per victim, not a pass over the tree; the pages callers hold under leases are
+counted by the tree as pins come and go (``HiRadixTree.leased_pages``).
+
 When no victim is left to take, allocation waits for in-flight jobs that may make room (copies down,
 load-backs, stores publishing their pages), one completion at a time, at most
 ``controller.alloc_wait_s`` (``BoundedWait``): that wait is the backpressure a ``store`` feels from a
@@ -21,7 +25,6 @@ everything else is leased.
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -33,6 +36,7 @@ from ..radix_tree import HiRadixTree, Pin, TreeNode
 from ..stats import Counters
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
+from .candidates import DEVICE_LEAF, HOST_LEAF, HOST_MIRROR, Candidates, device_leaf, host_leaf, host_mirror
 from .jobs import BoundedWait, JobTracker
 from .residency import Residency, Verdict
 from .storage_writer import StorageWriter
@@ -75,6 +79,7 @@ class Evictor:
         self.on_device_alloc = on_device_alloc
         self.storage_writer = storage_writer
         self.on_host_copy = on_host_copy
+        self.candidates = Candidates(tree, eviction_policy)
         self._device_lock = anyio.Lock()
         self._host_lock = anyio.Lock()  # taken inside _device_lock (a device spill allocates host), never around it
 
@@ -94,6 +99,7 @@ class Evictor:
         ``CapacityError`` when ``n`` pages cannot be had.
         """
         waits = self._waiter(self.frees_device)
+        self.candidates.refresh()  # keep the queues current: each call pays for what changed since
         while n > self.device.free_pages:
             short = n - self.device.free_pages
             if await self.evict_device(short) >= short:
@@ -109,6 +115,7 @@ class Evictor:
     async def alloc_host(self, n: int, *, partial: bool = False) -> list[int]:
         """Allocate ``n`` host pages, evicting as needed (writing promised pages to storage first)."""
         waits = self._waiter(self.frees_host)
+        self.candidates.refresh()
         while n > self.host.free_pages:
             short = n - self.host.free_pages
             if await self.evict_host(short) >= short:
@@ -121,28 +128,16 @@ class Evictor:
     def _unleased(self, tier: str) -> int:
         """Pages of ``tier`` that callers do not hold: the most that waiting for jobs could free."""
         pool = self.device if tier == "device" else self.host
-        held = sum(len(getattr(nd, tier) or ()) for nd in self.tree.nodes() if nd.lease_ref > 0)
-        return pool.num_pages - held
+        return pool.num_pages - self.tree.leased_pages[tier]
 
     # -- device ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _device_leaf(node: TreeNode) -> bool:
-        return (
-            node.device is not None and node.lock_ref == 0 and node.loading is None and not node.has_device_child()
-        )
-
-    def _push(self, heap: list[tuple[object, int, TreeNode]], node: TreeNode) -> None:
-        heapq.heappush(heap, (self.policy.key(node), node.id, node))
-
-    def _heap(self, wanted: Callable[[TreeNode], bool]) -> list[tuple[object, int, TreeNode]]:
-        heap = [(self.policy.key(nd), nd.id, nd) for nd in self.tree.nodes() if wanted(nd)]
-        heapq.heapify(heap)
-        return heap
+    _device_leaf = staticmethod(device_leaf)
 
     async def evict_device(self, n_pages: int) -> int:
         """Free at least ``n_pages`` device pages if the residency rule allows; return how many."""
         async with self._device_lock:
+            self.candidates.refresh()
             freed = 0
             while freed < n_pages:
                 dropped, spilled = await self._evict_device_round(n_pages - freed)
@@ -154,27 +149,36 @@ class Evictor:
 
     async def _evict_device_round(self, n_pages: int) -> tuple[int, bool]:
         """Drop device leaves in policy order; spill those that must reach the host first, batched."""
-        heap = self._heap(self._device_leaf)
+        candidates = self.candidates
+        candidates.refresh()
         freed = 0
         pending = 0
         to_spill: list[TreeNode] = []
-        while freed + pending < n_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._device_leaf(node):
-                continue
-            verdict = self.residency.leave_device(node)
-            if verdict is Verdict.COPY:
-                to_spill.append(node)
-                pending += node.num_pages
-            elif verdict in (Verdict.FREE, Verdict.LOST):
-                parent = node.parent
-                freed += self._drop_device(node)
-                if parent is not None and parent is not self.tree.root and self._device_leaf(parent):
-                    self._push(heap, parent)
-        spilled = await self._spill(to_spill) if to_spill else 0
-        for node in to_spill:
-            if self._device_leaf(node) and self.residency.leave_device(node) in (Verdict.FREE, Verdict.LOST):
-                freed += self._drop_device(node)
+        taken: list[TreeNode] = []
+        seen: set[int] = set()
+        try:
+            while freed + pending < n_pages:
+                node = candidates.pop(DEVICE_LEAF)
+                if node is None:
+                    break
+                taken.append(node)
+                if node.id in seen:
+                    continue
+                seen.add(node.id)
+                verdict = self.residency.leave_device(node)
+                if verdict is Verdict.COPY:
+                    to_spill.append(node)
+                    pending += node.num_pages
+                elif verdict in (Verdict.FREE, Verdict.LOST):
+                    freed += self._drop_device(node)
+                    candidates.refresh()  # its parent may be a device leaf now
+            spilled = await self._spill(to_spill) if to_spill else 0
+            for node in to_spill:
+                if self._device_leaf(node) and self.residency.leave_device(node) in (Verdict.FREE, Verdict.LOST):
+                    freed += self._drop_device(node)
+        finally:
+            for node in taken:  # waiting, not spilled, or dropped: the tree's report re-queues what still qualifies
+                self.tree.note(node)
         return freed, spilled > 0
 
     def _drop_device(self, node: TreeNode) -> int:
@@ -228,56 +232,58 @@ class Evictor:
 
     # -- host -----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _host_leaf(node: TreeNode) -> bool:
-        return (
-            node.host is not None and node.device is None and not node.children
-            and node.lock_ref == 0 and node.loading is None
-        )
-
-    @staticmethod
-    def _host_mirror(node: TreeNode) -> bool:
-        """A host copy of a node that is still on the device (its second choice)."""
-        return node.host is not None and node.device is not None and node.lock_ref == 0 and node.loading is None
+    _host_leaf = staticmethod(host_leaf)
+    _host_mirror = staticmethod(host_mirror)
 
     async def evict_host(self, n_pages: int) -> int:
         """Drop at least ``n_pages`` host pages if the residency rule allows; return how many."""
         async with self._host_lock:
+            self.candidates.refresh()
             freed = 0
-            for wanted in (self._host_leaf, self._host_mirror):
+            for kind in (HOST_LEAF, HOST_MIRROR):
                 while freed < n_pages:
-                    dropped, spilled = await self._evict_host_round(n_pages - freed, wanted)
+                    dropped, spilled = await self._evict_host_round(n_pages - freed, kind)
                     freed += dropped
                     if not dropped and not spilled:
                         break
             self.counters.evicted_pages["host"] += freed
             return freed
 
-    async def _evict_host_round(self, n_pages: int, wanted: Callable[[TreeNode], bool]) -> tuple[int, bool]:
-        """Drop ``wanted`` host copies in policy order; write those promised to storage first."""
-        heap = self._heap(wanted)
+    async def _evict_host_round(self, n_pages: int, kind: int) -> tuple[int, bool]:
+        """Drop host copies of ``kind`` in policy order; write those promised to storage first."""
+        candidates = self.candidates
+        wanted = candidates.wanted(kind)
+        candidates.refresh()
         freed = 0
         pending = 0
         to_write: list[TreeNode] = []
-        while freed + pending < n_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not wanted(node):
-                continue
-            verdict = self.residency.leave_host(node)
-            if verdict is Verdict.COPY:
-                to_write.append(node)
-                pending += node.num_pages
-            elif verdict in (Verdict.FREE, Verdict.LOST):
-                parent = node.parent
-                freed += self._drop_host(node, lost=verdict is Verdict.LOST)
-                if parent is not None and parent is not self.tree.root and wanted(parent):
-                    self._push(heap, parent)
-        written = await self._write_to_storage(to_write) if to_write else 0
-        for node in to_write:
-            if wanted(node):
+        taken: list[TreeNode] = []
+        seen: set[int] = set()
+        try:
+            while freed + pending < n_pages:
+                node = candidates.pop(kind)
+                if node is None:
+                    break
+                taken.append(node)
+                if node.id in seen:
+                    continue
+                seen.add(node.id)
                 verdict = self.residency.leave_host(node)
-                if verdict in (Verdict.FREE, Verdict.LOST):
+                if verdict is Verdict.COPY:
+                    to_write.append(node)
+                    pending += node.num_pages
+                elif verdict in (Verdict.FREE, Verdict.LOST):
                     freed += self._drop_host(node, lost=verdict is Verdict.LOST)
+                    candidates.refresh()  # its parent may be a host leaf now
+            written = await self._write_to_storage(to_write) if to_write else 0
+            for node in to_write:
+                if wanted(node):
+                    verdict = self.residency.leave_host(node)
+                    if verdict in (Verdict.FREE, Verdict.LOST):
+                        freed += self._drop_host(node, lost=verdict is Verdict.LOST)
+        finally:
+            for node in taken:
+                self.tree.note(node)
         return freed, written > 0 or bool(to_write)
 
     def _drop_host(self, node: TreeNode, *, lost: bool) -> int:
