@@ -13,8 +13,9 @@ both tiers:
   write failed goes, counted in ``lost_pages``.
 
 Victims come from candidate heaps kept up to date as nodes change (``candidates.py``), so a round
-costs O(log n) per victim, not a pass over the tree; the pages callers hold under leases are
-counted by the tree as pins come and go (``HiRadixTree.leased_pages``).
+costs O(log n) per victim, not a pass over the tree, and a large eviction (the watermark worker's)
+yields to the event loop every few hundred victims; the pages callers hold under leases are counted
+by the tree as pins come and go (``HiRadixTree.leased_pages``).
 
 When no victim is left to take, allocation waits for in-flight jobs that may make room (copies down,
 load-backs, stores publishing their pages), one completion at a time, at most
@@ -29,6 +30,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 
 from ..io.transfer import TransferEngine
 from ..policies.base import EvictionPolicy
@@ -44,6 +46,8 @@ from .storage_writer import StorageWriter
 __all__ = ["Evictor"]
 
 log = logging.getLogger(__name__)
+
+_YIELD_EVERY = 256  # victims examined between checkpoints: a bulk eviction never holds the loop long
 
 
 class Evictor:
@@ -144,7 +148,6 @@ class Evictor:
                 freed += dropped
                 if not dropped and not spilled:
                     break
-            self.counters.evicted_pages["device"] += freed
             return freed
 
     async def _evict_device_round(self, n_pages: int) -> tuple[int, bool]:
@@ -162,7 +165,9 @@ class Evictor:
                 if node is None:
                     break
                 taken.append(node)
-                if node.id in seen:
+                if not len(taken) % _YIELD_EVERY:
+                    await anyio.lowlevel.checkpoint()  # a bulk eviction lets other calls in
+                if node.id in seen or not self._device_leaf(node):
                     continue
                 seen.add(node.id)
                 verdict = self.residency.leave_device(node)
@@ -186,6 +191,7 @@ class Evictor:
         assert pages is not None
         node.device = None
         self.device.allocator.free(pages)
+        self.counters.evicted_pages["device"] += len(pages)
         if node.host is None:
             if self.residency.owed_below(node):
                 self.counters.lost_pages["device"] += len(pages)  # its write failed: this was its last copy
@@ -246,7 +252,6 @@ class Evictor:
                     freed += dropped
                     if not dropped and not spilled:
                         break
-            self.counters.evicted_pages["host"] += freed
             return freed
 
     async def _evict_host_round(self, n_pages: int, kind: int) -> tuple[int, bool]:
@@ -265,7 +270,9 @@ class Evictor:
                 if node is None:
                     break
                 taken.append(node)
-                if node.id in seen:
+                if not len(taken) % _YIELD_EVERY:
+                    await anyio.lowlevel.checkpoint()
+                if node.id in seen or not wanted(node):
                     continue
                 seen.add(node.id)
                 verdict = self.residency.leave_host(node)
@@ -291,6 +298,7 @@ class Evictor:
         assert pages is not None
         node.host = None
         self.host.allocator.free(pages)
+        self.counters.evicted_pages["host"] += len(pages)
         if node.device is None:
             if lost:
                 self.counters.lost_pages["host"] += len(pages)
