@@ -67,9 +67,10 @@ def check_counters(tree: HiRadixTree, candidates: Candidates | None = None) -> N
     for kind, wanted in WANTED.items():
         heap = candidates._heaps[kind]
         entries = {}
-        for key, _, node in heap:
+        for entry in heap:
+            node = entry[-1]
             assert node.id not in entries, "a node queued twice"
-            entries[node.id] = key
+            entries[node.id] = candidates._queued_key(entry)
         bit = _QUEUED[kind]
         for node in nodes:
             assert bool(node.marks & bit) == (node.id in entries)
@@ -98,7 +99,8 @@ class Program:
         return nodes[i % len(nodes)] if nodes else None
 
     def fresh(self, n: int) -> list[int]:
-        return [next(self.pages) for _ in range(n)]
+        pages = [next(self.pages) for _ in range(n)]
+        return pages[::-1] if pages[0] % 3 == 0 else pages  # runs, and not (kept two ways)
 
     def step(self, op: str, a: int, b: int) -> None:
         tree = self.tree
@@ -218,10 +220,17 @@ def test_keys_are_packed_and_page_lists_compact() -> None:
     tree = HiRadixTree(PS, b"\0" * KEY_BYTES)
     node = tree.extend(tree.root, tb([1, 2, 3, 4, 5, 6]))
     assert node.num_pages == 3 and len(node.keys) == 3 and node.key(-1) == node.keys[2]
-    node.device = [7, 8, 9]
-    assert list(node.device) == [7, 8, 9] and node.device.itemsize == 4
+    node.device = [7, 8, 9]  # a run: kept as its first page
+    node.host = [5, 3, 9]  # not a run: kept as int32
+    assert node.device == range(7, 10) and list(node.host) == [5, 3, 9] and node.host.itemsize == 4
     prefix = tree.split(node, 1)
     assert list(prefix.device) == [7] and list(node.device) == [8, 9]
+    assert list(prefix.host) == [5] and list(node.host) == [3, 9]
+    pin = Pin(node)
+    node.host = [20, 21]
+    assert tree.leased_pages == {"device": 3, "host": 3}
+    pin.release()
+    assert tree.leased_pages == {"device": 0, "host": 0}
     assert tree.covering(node, prefix.keys + node.keys) == [(node, 1, 3), (prefix, 0, 1)]
 
 

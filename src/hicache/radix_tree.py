@@ -24,8 +24,9 @@ children, the number of nodes, and the list of nodes whose eviction candidacy ma
 (``changed``), which the evictor's candidate queues consume. So ``device``, ``host`` and ``loading``
 are properties whose setters report the change, and pins report leases and unpinned nodes.
 
-Memory: a node keeps its page keys packed in one ``bytes`` (16 bytes a page) and its page indices
-as ``array('i')`` (4 bytes a page), not lists of objects.
+Memory: a node keeps its page keys packed in one ``bytes`` (16 bytes a page), and its page indices
+as the first page of a run when they are consecutive (``device`` and ``host`` then read as a
+``range``), else as an ``array('i')`` (4 bytes a page); leaves share one empty ``children`` mapping.
 """
 
 from __future__ import annotations
@@ -33,13 +34,14 @@ from __future__ import annotations
 import itertools
 import time
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from .keys import KEY_BYTES, TOKEN_BYTES, TokenBytes, chain_keys
 
-__all__ = ["TreeNode", "HiRadixTree", "MatchResult", "Pin", "CHANGED"]
+__all__ = ["TreeNode", "HiRadixTree", "MatchResult", "Pin", "CHANGED", "NO_CHILDREN"]
 
 _ids = itertools.count(1)
 
@@ -48,8 +50,34 @@ _ids = itertools.count(1)
 CHANGED = 1
 
 
-def _page_array(pages: Iterable[int]) -> array:
-    return array("i", pages)
+#: The children of every leaf: one shared, read-only empty mapping instead of an empty dict each
+#: (only this module adds children, and it gives a node its own dict first).
+NO_CHILDREN: Mapping[bytes, TreeNode] = MappingProxyType({})
+
+
+def _pack(pages: Iterable[int], n: int) -> int | array:
+    """How a node keeps ``n`` page indices: the first of a run of consecutive pages (what the
+    allocator hands out, mostly), else an ``array('i')`` (4 bytes a page)."""
+    a = array("i", pages)
+    if len(a) == n and n and a[-1] - a[0] == n - 1 and (n <= 2 or a == array("i", range(a[0], a[0] + n))):
+        return a[0]
+    return a
+
+
+def _count(stored: int | array | None, n: int) -> int:
+    if stored is None:
+        return 0
+    return n if type(stored) is int else len(stored)
+
+
+def _cut(stored: int | array | None, at: int) -> tuple[int | array | None, int | array | None]:
+    """The stored pages before and from page ``at``."""
+    if stored is None:
+        return None, None
+    if type(stored) is int:
+        return stored, stored + at
+    head, tail = stored[:at], stored[at:]
+    return _pack(head, len(head)), _pack(tail, len(tail))
 
 
 class TreeNode:
@@ -86,11 +114,11 @@ class TreeNode:
         self.id = next(_ids)
         self.tree = tree
         self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
+        self.children: Mapping[bytes, TreeNode] = NO_CHILDREN  # a dict once it has any
         self.tokens = tokens
         self._keys = keys if isinstance(keys, bytes) else b"".join(keys)  # KEY_BYTES a page
-        self._device: array | None = None
-        self._host: array | None = None
+        self._device: int | array | None = None  # see _pack
+        self._host: int | array | None = None
         self._loading: Any = None  # the LoadJob filling ``device`` while it is in flight
         self.backing_up = False  # a backup of this node to host is in flight
         self.storing = False  # a write of its host pages to storage is in flight: keep them
@@ -127,18 +155,22 @@ class TreeNode:
     # -- residency: setters report to the tree --------------------------------------------------
 
     @property
-    def device(self) -> array | None:
-        """Device page indices, or None when the node is not on the device."""
-        return self._device
+    def device(self) -> Sequence[int] | None:
+        """Device page indices (a ``range`` or an ``array``), or None when not on the device."""
+        d = self._device
+        if type(d) is int:
+            return range(d, d + len(self._keys) // KEY_BYTES)
+        return d
 
     @device.setter
     def device(self, pages: Iterable[int] | None) -> None:
+        n = self.num_pages
         old = self._device
-        new = None if pages is None else _page_array(pages)
+        new = None if pages is None else _pack(pages, n)
         self._device = new
         tree = self.tree
         if self.lease_ref:
-            tree.leased_pages["device"] += (len(new) if new is not None else 0) - (len(old) if old is not None else 0)
+            tree.leased_pages["device"] += _count(new, n) - _count(old, n)
         if (old is None) != (new is None):
             parent = self.parent
             if parent is not None:
@@ -148,18 +180,30 @@ class TreeNode:
         tree.note(self)
 
     @property
-    def host(self) -> array | None:
-        """Host page indices, or None when the node is not on the host."""
-        return self._host
+    def host(self) -> Sequence[int] | None:
+        """Host page indices (a ``range`` or an ``array``), or None when not on the host."""
+        h = self._host
+        if type(h) is int:
+            return range(h, h + len(self._keys) // KEY_BYTES)
+        return h
 
     @host.setter
     def host(self, pages: Iterable[int] | None) -> None:
+        n = self.num_pages
         old = self._host
-        new = None if pages is None else _page_array(pages)
+        new = None if pages is None else _pack(pages, n)
         self._host = new
         if self.lease_ref:
-            self.tree.leased_pages["host"] += (len(new) if new is not None else 0) - (len(old) if old is not None else 0)
+            self.tree.leased_pages["host"] += _count(new, n) - _count(old, n)
         self.tree.note(self)
+
+    @property
+    def on_device(self) -> bool:
+        return self._device is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self._host is not None
 
     @property
     def loading(self) -> Any:
@@ -276,10 +320,9 @@ class HiRadixTree:
 
     def count_lease(self, node: TreeNode, sign: int) -> None:
         """``node`` gained (``+1``) or lost (``-1``) its last lease: count its pages in or out."""
-        if node._device is not None:
-            self.leased_pages["device"] += sign * len(node._device)
-        if node._host is not None:
-            self.leased_pages["host"] += sign * len(node._host)
+        n = node.num_pages
+        self.leased_pages["device"] += sign * _count(node._device, n)
+        self.leased_pages["host"] += sign * _count(node._host, n)
 
     # -- matching -------------------------------------------------------------------------------
 
@@ -331,8 +374,8 @@ class HiRadixTree:
         # Pages move between two nodes that carry the same pins, so lease counts do not change:
         # the slots are set directly, not through the reporting setters.
         dev, host = node._device, node._host
-        prefix._device = dev[:at_pages] if dev is not None else None
-        prefix._host = host[:at_pages] if host is not None else None
+        prefix._device, node._device = _cut(dev, at_pages)
+        prefix._host, node._host = _cut(host, at_pages)
         prefix._loading = node._loading
         prefix.backing_up = node.backing_up
         prefix.storing = node.storing
@@ -347,13 +390,11 @@ class HiRadixTree:
         prefix.last_access = node.last_access
         prefix.created = node.created
         prefix.priority = node.priority
-        parent.children[node.tokens[:pb]] = prefix
+        parent.children[node.tokens[:pb]] = prefix  # type: ignore[index]  # ``node``'s entry: a dict
         node.tokens = node.tokens[at_pages * pb :]
         node._keys = node._keys[kb:]
-        node._device = dev[at_pages:] if dev is not None else None
-        node._host = host[at_pages:] if host is not None else None
         node.parent = prefix
-        prefix.children[node.tokens[:pb]] = node
+        prefix.children = {node.tokens[:pb]: node}
         self.size += 1
         self.note(prefix)
         self.note(node)
@@ -369,7 +410,9 @@ class HiRadixTree:
         assert first not in parent.children, "extend() over an existing child"
         seed = parent._keys[-KEY_BYTES:] if parent._keys else self.seed
         node = TreeNode(self, parent, tokens, chain_keys(seed, tokens, self.page_size))
-        parent.children[first] = node
+        if parent.children is NO_CHILDREN:
+            parent.children = {}
+        parent.children[first] = node  # type: ignore[index]
         self.size += 1
         return node
 
@@ -379,7 +422,9 @@ class HiRadixTree:
         assert node._device is None and node._host is None
         parent = node.parent
         assert parent is not None
-        del parent.children[node.tokens[: self.page_bytes]]
+        del parent.children[node.tokens[: self.page_bytes]]  # type: ignore[attr-defined]
+        if not parent.children:
+            parent.children = NO_CHILDREN
         node.parent = None
         self.size -= 1
         self.note(parent)  # it may have become a host leaf

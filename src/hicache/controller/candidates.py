@@ -20,7 +20,9 @@ grow or stay), and the contract of ``EvictionPolicy.key``.
 
 A node is in each heap at most once (``TreeNode.marks`` bits), so a heap holds at most one entry per
 live node plus entries of removed nodes, which are dropped when they surface or, once they
-outnumber the live nodes, by a rebuild.
+outnumber the live nodes, by a rebuild. An entry is ``(*key, node)`` for the built-in policies
+(their keys are tuples of one length that end with the node id, so ties never reach the node):
+one tuple per entry instead of two. Any other policy's entries are ``(key, node.id, node)``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..policies.base import EvictionPolicy
+from ..policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
 from ..radix_tree import HiRadixTree, TreeNode
 
 __all__ = ["DEVICE_LEAF", "HOST_LEAF", "HOST_MIRROR", "Candidates", "device_leaf", "host_leaf", "host_mirror"]
@@ -40,24 +43,22 @@ HOST_MIRROR = 2
 
 
 def device_leaf(node: TreeNode) -> bool:
-    return node.device is not None and node.lock_ref == 0 and node.loading is None and not node.device_children
+    return node.on_device and node.lock_ref == 0 and node.loading is None and not node.device_children
 
 
 def host_leaf(node: TreeNode) -> bool:
-    return (
-        node.host is not None and node.device is None and not node.children
-        and node.lock_ref == 0 and node.loading is None
-    )
+    return node.on_host and not node.on_device and not node.children and node.lock_ref == 0 and node.loading is None
 
 
 def host_mirror(node: TreeNode) -> bool:
     """A host copy of a node that is still on the device (the host's second choice)."""
-    return node.host is not None and node.device is not None and node.lock_ref == 0 and node.loading is None
+    return node.on_host and node.on_device and node.lock_ref == 0 and node.loading is None
 
 
 _WANTED: tuple[Callable[[TreeNode], bool], ...] = (device_leaf, host_leaf, host_mirror)
 _QUEUED = (2, 4, 8)  # TreeNode.marks bits: queued in heap DEVICE_LEAF / HOST_LEAF / HOST_MIRROR
-_Entry = tuple[Any, int, TreeNode]
+_FLAT_KEYS = (LRUPolicy, LFUPolicy, FIFOPolicy, PriorityPolicy)  # keys: fixed-length tuples ending in the id
+_Entry = tuple[Any, ...]
 
 
 class Candidates:
@@ -67,6 +68,14 @@ class Candidates:
         self.tree = tree
         self.policy = policy
         self._heaps: list[list[_Entry]] = [[], [], []]
+        self._flat = type(policy) in _FLAT_KEYS
+
+    def _entry(self, node: TreeNode) -> _Entry:
+        key = self.policy.key(node)
+        return (*key, node) if self._flat else (key, node.id, node)
+
+    def _queued_key(self, entry: _Entry) -> Any:
+        return entry[:-1] if self._flat else entry[0]
 
     def wanted(self, kind: int) -> Callable[[TreeNode], bool]:
         return _WANTED[kind]
@@ -75,7 +84,7 @@ class Candidates:
         """Queue the nodes the tree reported since the last refresh that are candidates now."""
         if not self.tree.changed:
             return
-        key = self.policy.key
+        entry = self._entry
         heaps = self._heaps
         for node in self.tree.take_changed():
             if node.parent is None:
@@ -85,7 +94,7 @@ class Candidates:
                 bit = _QUEUED[kind]
                 if not marks & bit and _WANTED[kind](node):
                     marks |= bit
-                    heapq.heappush(heaps[kind], (key(node), node.id, node))
+                    heapq.heappush(heaps[kind], entry(node))
             node.marks = marks
         self._compact()
 
@@ -99,14 +108,14 @@ class Candidates:
         wanted = _WANTED[kind]
         key = self.policy.key
         while heap:
-            old, _, node = heap[0]
+            top = heap[0]
+            node = top[-1]
             if node.parent is None or not wanted(node):
                 heapq.heappop(heap)
                 node.marks &= ~bit
                 continue
-            now = key(node)
-            if now != old:  # touched since it was queued: it belongs further back
-                heapq.heapreplace(heap, (now, node.id, node))
+            if key(node) != self._queued_key(top):  # touched since it was queued: it belongs further back
+                heapq.heapreplace(heap, self._entry(node))
                 continue
             heapq.heappop(heap)
             node.marks &= ~bit
@@ -121,6 +130,6 @@ class Candidates:
         limit = 2 * self.tree.size + 64
         for kind, heap in enumerate(self._heaps):
             if len(heap) > limit:
-                live = [entry for entry in heap if entry[2].parent is not None]
+                live = [entry for entry in heap if entry[-1].parent is not None]
                 heapq.heapify(live)
                 self._heaps[kind] = live
