@@ -10,22 +10,25 @@ copies negligible, so what is timed is bookkeeping: the index, the allocators an
 each size N the device and the host tier hold N pages each, the index is filled with N/10 distinct
 10-page prompts held on both tiers (inserted through ``insert_pages``: bookkeeping only), with the
 ``write_back`` and ``lru`` policies and watermark eviction off (``high_watermark: 1``) so that each
-call does only its own work. Then, per call (mean and median, milliseconds):
+call does only its own work. All sizes stay open side by side and ``--calls`` cycles run, one
+cycle per size in turn, so machine noise hits every size alike. A cycle times:
 
 * ``lookup``: a cached 10-page prompt (``prefetch=False``);
 * ``retrieve``: enter and leave ``retrieve`` of a cached, device-resident 10-page prompt;
-* ``evict_device``: ``evict_device(10)`` on a full device (victims have host copies: no data moves);
-* ``store``: a new 10-page prompt into free device pages (those the evictions freed);
+* ``evict_device``: ``evict_device(10)`` on a full device (the victim has a host copy: no data moves);
+* ``raw_copy``: the data copy a store makes, alone: ``anyio.to_thread.run_sync(engine.user_to_pool,
+  ...)`` of 10 pages into pages set aside for it;
+* ``store``: a new 10-page prompt into the free device pages the eviction left;
 * ``store_full``: a new 10-page prompt into a full device: it evicts 10 pages first;
-* ``evict_host``: ``evict_host(10)`` on a full host (host-only leaves: no data moves).
+* ``evict_host`` (twice): ``evict_host(10)`` on a full host (a host-only leaf: no data moves); the
+  room it makes becomes the host copy of the node just stored (untimed), so the next cycle finds
+  the same state.
 
-``store`` includes one data copy on a worker thread; ``raw_copy`` is that operation alone (the same
-``anyio.to_thread.run_sync(engine.user_to_pool, ...)`` of the same 10 pages into pages set aside
-for it), timed just before each store; ``store_bookkeeping`` is each store minus the raw copy
-timed before it. Medians lead (these machines are shared and noisy); means follow in brackets. At
-small sizes the whole sequence runs several times on fresh caches, so every figure is over about
-``--calls`` calls (each phase uses at most a fifth of the prompts, so the pool's state stays the
-one described).
+Each call is timed twice: wall time, and the CPU time of the event loop's thread
+(``time.thread_time``), which is the bookkeeping's own cost whatever else the machine runs (the
+copy runs on a worker thread and is not in it; what the loop spends to hand it over is, and
+``raw_copy`` measures that). ``store_bookkeeping`` is each store minus the raw copy of its cycle.
+Medians lead (these machines are shared and noisy); means follow in brackets.
 
 Memory: the index's bytes per page, with ``tracemalloc``: what filling a cache of
 ``--memory-pages`` pages (and one eviction, so eviction structures are built) allocates, divided by
@@ -54,7 +57,9 @@ import sys  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from array import array  # noqa: E402
+from collections import deque  # noqa: E402
 from collections.abc import Awaitable, Callable  # noqa: E402
+from contextlib import AsyncExitStack  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import anyio  # noqa: E402
@@ -120,69 +125,103 @@ def fill(cache: HiCache, prompts: Prompts, count: int, pages: int, *, progress: 
         bar.close()
 
 
-async def timed(samples: list[float], call: Callable[[], Awaitable[object]]) -> None:
-    start = time.perf_counter()
-    await call()
-    samples.append(time.perf_counter() - start)
+async def timed(samples: list[tuple[float, float]], call: Callable[[], Awaitable[object]]) -> object:
+    """Await ``call()``; record its wall time and the CPU time of this (the event loop's) thread."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    out = await call()
+    samples.append((time.perf_counter() - wall, time.thread_time() - cpu))
+    return out
 
 
-async def one_pass(size: int, args: argparse.Namespace, results: dict[str, list[float]]) -> None:
-    """Fill a cache of ``size`` pages and time each operation (see the module docstring)."""
-    config = make_config(size)
-    pp = args.prompt_pages
-    prompts = Prompts(pp)
-    rng = random.Random(size)
-    async with HiCache.from_config(config) as cache:
-        ctl = cache.controller
-        raw_pages = ctl.device.allocator.allocate(pp)  # the raw copy's own pages, outside the index
-        count = (ctl.device.num_pages - pp) // pp
-        fill(cache, prompts, count, pp, progress=f"fill {size:,} pages")
+class Sized:
+    """One cache of ``size`` pages, filled, and the cycle of calls timed on it.
+
+    A cycle leaves the cache as it found it (device and host full, same number of prompts), so
+    any number of cycles can run, interleaved across sizes: machine noise then hits every size
+    alike. Per cycle: a lookup and a retrieve of a recent prompt (device-resident), an eviction
+    of 10 device pages, the raw copy then a store into the freed pages, a store into the full
+    device (it evicts 10 pages), and after each store an eviction of 10 host pages whose room
+    becomes the new node's host copy (untimed: what a finished backup records).
+    """
+
+    def __init__(self, cache: HiCache, size: int, pages: int) -> None:
+        self.cache = cache
+        self.size = size
+        self.pages = pages
+        self.prompts = Prompts(pages)
+        self.rng = random.Random(size)
+        self.kv = torch.randn(2, 1, pages * PAGE_SIZE, 1, 2)
+        self.raw_pages: list[int] = []
+        self.count = 0
+        self.recent: deque[int] = deque()
+
+    async def setup(self) -> None:
+        ctl = self.cache.controller
+        pp = self.pages
+        self.raw_pages = ctl.device.allocator.allocate(pp)  # the raw copy's own pages, outside the index
+        ctl.host.allocator.allocate(pp)  # host as full as the device
+        self.count = (ctl.device.num_pages - pp) // pp
+        fill(self.cache, self.prompts, self.count, pp, progress=f"fill {self.size:,} pages")
         # The fill bypassed the calls that keep eviction's bookkeeping current (each store's
         # allocation does, for what it changed): catch up here, outside the timing.
         await ctl.evictor.evict_device(0)
-        k = max(1, min(args.calls, count // 5))
-        kv = torch.randn(2, 1, pp * PAGE_SIZE, 1, 2)
+        # Lookups and retrieves pick among the newest quarter: device-resident under LRU.
+        self.recent = deque(range(self.count - max(1, self.count // 4), self.count), maxlen=max(1, self.count // 4))
+
+    def _host_copy(self, i: int) -> None:
+        """Record a host copy of prompt ``i``'s new node, in room an eviction just made (untimed)."""
+        ctl = self.cache.controller
+        (node,) = ctl.tree.match(self.prompts.raw(i)).path
+        node.host = ctl.host.allocator.allocate(self.pages)
+
+    async def cycle(self, results: dict[str, list[tuple[float, float]]]) -> None:
+        cache, ctl, pp, kv = self.cache, self.cache.controller, self.pages, self.kv
+        ids = self.prompts.ids(self.rng.choice(self.recent))
+        hit = await timed(results["lookup"], lambda: cache.lookup(ids, prefetch=False))
+        assert hit.tokens == len(ids)
+
+        async def retrieve() -> None:
+            async with cache.retrieve(self.prompts.ids(self.rng.choice(self.recent))) as view:
+                assert view.tokens == pp * PAGE_SIZE and view.by_tier["device"] == view.tokens
+
+        await timed(results["retrieve"], retrieve)
+        assert await timed(results["evict_device"], lambda: ctl.evictor.evict_device(pp)) == pp
+        await timed(
+            results["raw_copy"],
+            lambda: anyio.to_thread.run_sync(ctl.engine.user_to_pool, kv, 0, ctl.device, self.raw_pages, limiter=ctl.limiter),
+        )
+        for op in ("store", "store_full"):
+            new = self.count
+            self.count += 1
+            ids = self.prompts.ids(new)
+            stored = await timed(results[op], lambda: cache.store(ids, kv))
+            assert stored.stored_tokens == len(ids) and ctl.device.free_pages == 0
+            assert await timed(results["evict_host"], lambda: ctl.evictor.evict_host(pp)) == pp
+            self._host_copy(new)
+            self.recent.append(new)
+
+
+async def measure(sizes: list[int], args: argparse.Namespace) -> dict[int, dict[str, list[tuple[float, float]]]]:
+    """Fill one cache per size, then run ``--calls`` cycles, one per size in turn."""
+    results: dict[int, dict[str, list[tuple[float, float]]]] = {size: {op: [] for op in OPS} for size in sizes}
+    async with AsyncExitStack() as stack:
+        benches = []
+        for size in sizes:
+            cache = await stack.enter_async_context(HiCache.from_config(make_config(size)))
+            bench = Sized(cache, size, args.prompt_pages)
+            await bench.setup()
+            benches.append(bench)
         gc.collect()
+        bar = tqdm(total=args.calls, desc="cycles", file=sys.stderr, leave=False) if tqdm else None
         for _ in range(args.calls):
-            ids = prompts.ids(rng.randrange(count))
-            await timed(results["lookup"], lambda ids=ids: cache.lookup(ids, prefetch=False))
-        for _ in range(args.calls):
-            ids = prompts.ids(rng.randrange(count))
-
-            async def retrieve(ids: list[int] = ids) -> None:
-                async with cache.retrieve(ids) as view:
-                    assert view.tokens == len(ids)
-
-            await timed(results["retrieve"], retrieve)
-        for _ in range(k):
-            await timed(results["evict_device"], lambda: ctl.evictor.evict_device(pp))
-        assert ctl.device.free_pages == k * pp, "evict_device freed an unexpected number of pages"
-        next_id = count
-        for _ in range(k):
-            await timed(
-                results["raw_copy"],
-                lambda: anyio.to_thread.run_sync(
-                    ctl.engine.user_to_pool, kv, 0, ctl.device, raw_pages, limiter=ctl.limiter
-                ),
-            )
-            ids = prompts.ids(next_id)
-            next_id += 1
-            await timed(results["store"], lambda ids=ids: cache.store(ids, kv))
-        assert ctl.device.free_pages == 0, "stores did not fill the freed pages"
-        for _ in range(k):
-            ids = prompts.ids(next_id)
-            next_id += 1
-            await timed(results["store_full"], lambda ids=ids: cache.store(ids, kv))
-        assert ctl.counters.dropped_pages == 0
-        for _ in range(k):
-            await timed(results["evict_host"], lambda: ctl.evictor.evict_host(pp))
-        ctl.device.allocator.free(raw_pages)
-
-
-async def measure_size(size: int, args: argparse.Namespace) -> dict[str, list[float]]:
-    results: dict[str, list[float]] = {op: [] for op in OPS}
-    while len(results["store"]) < args.calls:
-        await one_pass(size, args, results)
+            for bench in benches:
+                await bench.cycle(results[bench.size])
+            if bar is not None:
+                bar.update()
+        if bar is not None:
+            bar.close()
+        for bench in benches:
+            assert bench.cache.controller.counters.dropped_pages == 0
     return results
 
 
@@ -211,19 +250,33 @@ def cpu_pressure() -> str:
         return "n/a"
 
 
-def summarize(samples: list[float]) -> dict[str, float]:
+def summarize(samples: list[tuple[float, float]]) -> dict[str, float]:
+    wall = [w for w, _ in samples]
+    cpu = [c for _, c in samples]
     return {
         "calls": len(samples),
-        "mean_ms": statistics.fmean(samples) * 1e3,
-        "median_ms": statistics.median(samples) * 1e3,
-        "max_ms": max(samples) * 1e3,
+        "cpu_median_ms": statistics.median(cpu) * 1e3,
+        "cpu_mean_ms": statistics.fmean(cpu) * 1e3,
+        "wall_median_ms": statistics.median(wall) * 1e3,
+        "wall_mean_ms": statistics.fmean(wall) * 1e3,
+        "wall_max_ms": max(wall) * 1e3,
     }
+
+
+def print_table(table: dict[int, dict[str, dict[str, float]]], sizes: list[int], ops: tuple[str, ...], what: str) -> None:
+    print("| op | " + " | ".join(f"{s:,} pages" for s in sizes) + " | max / min |")
+    print("|---|" + "---|" * (len(sizes) + 1))
+    for op in ops:
+        medians = [table[s][op][f"{what}_median_ms"] for s in sizes]
+        cells = [f"{table[s][op][f'{what}_median_ms']:.3f} ({table[s][op][f'{what}_mean_ms']:.3f})" for s in sizes]
+        spread = max(medians) / min(medians) if min(medians) > 0 else math.inf
+        print(f"| {op} | " + " | ".join(cells) + f" | {spread:.2f}x |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,10000,100000,1000000", help="pool and index sizes, in pages")
-    parser.add_argument("--calls", type=int, default=100, help="calls timed per operation and size")
+    parser.add_argument("--calls", type=int, default=100, help="cycles (calls timed per operation and size)")
     parser.add_argument("--prompt-pages", type=int, default=10, help="pages per prompt (one node each)")
     parser.add_argument("--memory-pages", type=int, default=100_000, help="index size for the memory figure (0: skip)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -231,28 +284,27 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     torch.set_num_threads(1)
     print(f"cpu pressure before: {cpu_pressure()}", flush=True)
+    measured = anyio.run(measure, sizes, args)
     table: dict[int, dict[str, dict[str, float]]] = {}
-    ops = (*OPS, "store_bookkeeping")
     for size in sizes:
-        results = anyio.run(measure_size, size, args)
-        # Paired: each store minus the raw copy timed just before it.
-        results["store_bookkeeping"] = [s - r for s, r in zip(results["store"], results["raw_copy"], strict=True)]
-        table[size] = {op: summarize(s) for op, s in results.items()}
-        row = table[size]
-        print(f"{size:>9,} pages: " + "  ".join(f"{op} {row[op]['median_ms']:.3f}" for op in ops) + " (median ms)", flush=True)
+        results = measured[size]
+        # Paired: each store minus the raw copy of the same cycle (wall and loop CPU alike).
+        results["store_bookkeeping"] = [
+            (sw - rw, sc - rc) for (sw, sc), (rw, rc) in zip(results["store"], results["raw_copy"], strict=True)
+        ]
+        table[size] = {op: summarize(samples) for op, samples in results.items()}
     memory = anyio.run(measure_memory, args.memory_pages, args) if args.memory_pages else None
     print(f"cpu pressure after: {cpu_pressure()}\n")
-
-    print("per call, median ms (mean in brackets); spread: largest / smallest median")
-    print("| op | " + " | ".join(f"{s:,} pages" for s in sizes) + " | max / min |")
-    print("|---|" + "---|" * (len(sizes) + 1))
-    for op in ops:
-        medians = [table[s][op]["median_ms"] for s in sizes]
-        cells = [f"{table[s][op]['median_ms']:.3f} ({table[s][op]['mean_ms']:.3f})" for s in sizes]
-        spread = max(medians) / min(medians) if min(medians) > 0 else math.inf
-        print(f"| {op} | " + " | ".join(cells) + f" | {spread:.2f}x |")
+    ops = (*OPS, "store_bookkeeping")
+    print("event-loop CPU per call, median ms (mean); the bookkeeping's own cost, whatever else runs")
+    print_table(table, sizes, ops, "cpu")
+    print("\nwall time per call, median ms (mean)")
+    print_table(table, sizes, ops, "wall")
     if memory is not None:
-        print(f"\nindex memory: {memory['bytes_per_page']:.0f} bytes per page ({memory['bytes'] / 2**20:.1f} MiB for {memory['pages']:,} pages, tracemalloc)")
+        print(
+            f"\nindex memory: {memory['bytes_per_page']:.0f} bytes per page "
+            f"({memory['bytes'] / 2**20:.1f} MiB for {memory['pages']:,} pages of {args.prompt_pages}-page prompts, tracemalloc)"
+        )
     if args.json:
         args.json.write_text(json.dumps({"sizes": sizes, "table": table, "memory": memory}, indent=2))
 
