@@ -194,7 +194,7 @@ class Sized:
             new = self.count
             self.count += 1
             ids = self.prompts.ids(new)
-            stored = await timed(results[op], lambda: cache.store(ids, kv))
+            stored = await timed(results[op], lambda ids=ids: cache.store(ids, kv))
             assert stored.stored_tokens == len(ids) and ctl.device.free_pages == 0
             assert await timed(results["evict_host"], lambda: ctl.evictor.evict_host(pp)) == pp
             self._host_copy(new)
