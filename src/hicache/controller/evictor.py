@@ -204,19 +204,21 @@ class Evictor:
         Nodes that find no host room (the host is full of pinned pages) stay on the device.
         """
         placed: list[tuple[TreeNode, list[bytes], list[int], Pin]] = []
-        for node in nodes:
-            host_pages = await self.alloc_host(node.num_pages, partial=True)
-            if len(host_pages) < node.num_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
-                self.host.allocator.free(host_pages)
-                continue
-            node.backing_up = True
-            placed.append((node, list(node.keys), host_pages, Pin(node, job=True)))
-        if not placed:
-            return 0
-        src = [p for node, _, _, _ in placed for p in node.device or []]
-        dst = [p for _, _, pages, _ in placed for p in pages]
         done = False
         try:
+            # Inside the try: reserving host room for a later victim may wait (a write to storage
+            # first) and be cancelled; the victims placed by then must be released.
+            for node in nodes:
+                host_pages = await self.alloc_host(node.num_pages, partial=True)
+                if len(host_pages) < node.num_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
+                    self.host.allocator.free(host_pages)
+                    continue
+                node.backing_up = True
+                placed.append((node, list(node.keys), host_pages, Pin(node, job=True)))
+            if not placed:
+                return 0
+            src = [p for node, _, _, _ in placed for p in node.device or []]
+            dst = [p for _, _, pages, _ in placed for p in pages]
             await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
             done = True
         finally:
