@@ -217,7 +217,14 @@ class Evictor:
                 placed.append((node, list(node.keys), host_pages, Pin(node, job=True)))
             if not placed:
                 return 0
-            src = [p for node, _, _, _ in placed for p in node.device or []]
+            # Read the pages from the nodes that hold the victims' keys now: another call may have
+            # split a victim while a later one waited for host room (its prefix moved to a new parent).
+            src = [
+                p
+                for node, keys, _, _ in placed
+                for covered, _, _ in reversed(self.tree.covering(node, keys))
+                for p in covered.device or ()
+            ]
             dst = [p for _, _, pages, _ in placed for p in pages]
             await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
             done = True
