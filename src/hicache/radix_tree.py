@@ -17,21 +17,67 @@ indices). Invariants the controller keeps:
 
 Splitting keeps the original node object as the suffix and inserts a new parent for the prefix, so
 anything holding a node (a pin, a transfer job) still holds the deepest part of what it pinned.
+
+Bookkeeping that must not cost a walk over the tree is kept as the nodes change (see ``HiRadixTree``):
+the pages each tier holds under leases (``leased_pages``), each node's count of device-resident
+children, the number of nodes, and the list of nodes whose eviction candidacy may have changed
+(``changed``), which the evictor's candidate queues consume. So ``device``, ``host`` and ``loading``
+are properties whose setters report the change, and pins report leases and unpinned nodes.
+
+Memory: a node keeps its page keys packed in one ``bytes`` (16 bytes a page), and its page indices
+as the first page of a run when they are consecutive (``device`` and ``host`` then read as a
+``range``), else as an ``array('i')`` (4 bytes a page); leaves share one empty ``children`` mapping.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from .keys import TOKEN_BYTES, TokenBytes, chain_keys
+from .keys import KEY_BYTES, TOKEN_BYTES, TokenBytes, chain_keys
 
-__all__ = ["TreeNode", "HiRadixTree", "MatchResult", "Pin"]
+__all__ = ["TreeNode", "HiRadixTree", "MatchResult", "Pin", "CHANGED", "NO_CHILDREN"]
 
 _ids = itertools.count(1)
+
+#: ``TreeNode.marks`` bit: the node is in ``HiRadixTree.changed``. Higher bits belong to consumers
+#: of that list (the evictor's candidate queues).
+CHANGED = 1
+
+
+#: The children of every leaf: one shared, read-only empty mapping instead of an empty dict each
+#: (only this module adds children, and it gives a node its own dict first).
+NO_CHILDREN: Mapping[bytes, TreeNode] = MappingProxyType({})
+
+
+def _pack(pages: Iterable[int], n: int) -> int | array:
+    """How a node keeps ``n`` page indices: the first of a run of consecutive pages (what the
+    allocator hands out, mostly), else an ``array('i')`` (4 bytes a page)."""
+    a = array("i", pages)
+    if len(a) == n and n and a[-1] - a[0] == n - 1 and (n <= 2 or a == array("i", range(a[0], a[0] + n))):
+        return a[0]
+    return a
+
+
+def _count(stored: int | array | None, n: int) -> int:
+    if stored is None:
+        return 0
+    return n if type(stored) is int else len(stored)
+
+
+def _cut(stored: int | array | None, at: int) -> tuple[int | array | None, int | array | None]:
+    """The stored pages before and from page ``at``."""
+    if stored is None:
+        return None, None
+    if type(stored) is int:
+        return stored, stored + at
+    head, tail = stored[:at], stored[at:]
+    return _pack(head, len(head)), _pack(tail, len(tail))
 
 
 class TreeNode:
@@ -39,13 +85,14 @@ class TreeNode:
 
     __slots__ = (
         "id",
+        "tree",
         "parent",
         "children",
         "tokens",
-        "keys",
-        "device",
-        "host",
-        "loading",
+        "_keys",
+        "_device",
+        "_host",
+        "_loading",
         "backing_up",
         "storing",
         "stored",
@@ -53,21 +100,26 @@ class TreeNode:
         "source",
         "lock_ref",
         "lease_ref",
+        "device_children",
+        "marks",
         "hit_count",
         "last_access",
         "created",
         "priority",
     )
 
-    def __init__(self, parent: TreeNode | None, tokens: TokenBytes, keys: list[bytes]) -> None:
+    def __init__(
+        self, tree: HiRadixTree, parent: TreeNode | None, tokens: TokenBytes, keys: bytes | Sequence[bytes]
+    ) -> None:
         self.id = next(_ids)
+        self.tree = tree
         self.parent = parent
-        self.children: dict[bytes, TreeNode] = {}
+        self.children: Mapping[bytes, TreeNode] = NO_CHILDREN  # a dict once it has any
         self.tokens = tokens
-        self.keys = keys
-        self.device: list[int] | None = None
-        self.host: list[int] | None = None
-        self.loading: Any = None  # the LoadJob filling ``device`` while it is in flight
+        self._keys = keys if isinstance(keys, bytes) else b"".join(keys)  # KEY_BYTES a page
+        self._device: int | array | None = None  # see _pack
+        self._host: int | array | None = None
+        self._loading: Any = None  # the LoadJob filling ``device`` while it is in flight
         self.backing_up = False  # a backup of this node to host is in flight
         self.storing = False  # a write of its host pages to storage is in flight: keep them
         self.stored = False  # its pages were written to (or read from) storage; a hint (storage is lossy)
@@ -75,6 +127,8 @@ class TreeNode:
         self.source: str | None = None  # the storage tier its host pages came from, until first used
         self.lock_ref = 0
         self.lease_ref = 0  # the part of lock_ref held by callers (leases), not by background jobs
+        self.device_children = 0  # children whose ``device`` is set
+        self.marks = 0  # bit flags: CHANGED, and the candidate queues the node is in
         self.hit_count = 0
         self.last_access = time.monotonic()
         self.created = self.last_access
@@ -82,17 +136,98 @@ class TreeNode:
 
     @property
     def num_pages(self) -> int:
-        return len(self.keys)
+        return len(self._keys) // KEY_BYTES
+
+    @property
+    def keys(self) -> list[bytes]:
+        """The chained key of each page (a new list; ``key(i)`` for one)."""
+        packed = self._keys
+        return [packed[i : i + KEY_BYTES] for i in range(0, len(packed), KEY_BYTES)]
+
+    def key(self, i: int) -> bytes:
+        """The key of page ``i`` (negative counts from the end)."""
+        if i < 0:
+            i += self.num_pages
+        if not 0 <= i < self.num_pages:
+            raise IndexError(f"page {i} of a {self.num_pages}-page node")
+        return self._keys[i * KEY_BYTES : (i + 1) * KEY_BYTES]
+
+    # -- residency: setters report to the tree --------------------------------------------------
+
+    @property
+    def device(self) -> Sequence[int] | None:
+        """Device page indices (a ``range`` or an ``array``), or None when not on the device."""
+        d = self._device
+        if type(d) is int:
+            return range(d, d + len(self._keys) // KEY_BYTES)
+        return d
+
+    @device.setter
+    def device(self, pages: Iterable[int] | None) -> None:
+        n = self.num_pages
+        old = self._device
+        new = None if pages is None else _pack(pages, n)
+        self._device = new
+        tree = self.tree
+        if self.lease_ref:
+            tree.leased_pages["device"] += _count(new, n) - _count(old, n)
+            if self._host is not None and (old is None) != (new is None):
+                # a leased node's host copy is held only while it has no device copy
+                tree.leased_pages["host"] += _count(self._host, n) * (1 if new is None else -1)
+        if (old is None) != (new is None):
+            parent = self.parent
+            if parent is not None:
+                parent.device_children += 1 if new is not None else -1
+                if new is None:
+                    tree.note(parent)  # it may have become a device leaf
+        tree.note(self)
+
+    @property
+    def host(self) -> Sequence[int] | None:
+        """Host page indices (a ``range`` or an ``array``), or None when not on the host."""
+        h = self._host
+        if type(h) is int:
+            return range(h, h + len(self._keys) // KEY_BYTES)
+        return h
+
+    @host.setter
+    def host(self, pages: Iterable[int] | None) -> None:
+        n = self.num_pages
+        old = self._host
+        new = None if pages is None else _pack(pages, n)
+        self._host = new
+        if self.lease_ref and self._device is None:
+            self.tree.leased_pages["host"] += _count(new, n) - _count(old, n)
+        self.tree.note(self)
+
+    @property
+    def on_device(self) -> bool:
+        return self._device is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self._host is not None
+
+    @property
+    def loading(self) -> Any:
+        """The LoadJob filling ``device`` while it is in flight, else None."""
+        return self._loading
+
+    @loading.setter
+    def loading(self, job: Any) -> None:
+        self._loading = job
+        if job is None:
+            self.tree.note(self)
 
     @property
     def evictable(self) -> bool:
-        return self.lock_ref == 0 and self.loading is None and not self.backing_up
+        return self.lock_ref == 0 and self._loading is None and not self.backing_up
 
     def has_device_child(self) -> bool:
-        return any(c.device is not None for c in self.children.values())
+        return self.device_children > 0
 
     def __repr__(self) -> str:
-        where = "".join(t for t, v in (("D", self.device), ("H", self.host)) if v is not None) or "-"
+        where = "".join(t for t, v in (("D", self._device), ("H", self._host)) if v is not None) or "-"
         return f"<TreeNode #{self.id} pages={self.num_pages} on={where} lock={self.lock_ref} hits={self.hit_count}>"
 
 
@@ -123,11 +258,17 @@ class Pin:
         self.node = node
         self.job = job
         self._released = False
-        lease = 0 if job else 1
         cur: TreeNode | None = node
+        if job:
+            while cur is not None:
+                cur.lock_ref += 1
+                cur = cur.parent
+            return
         while cur is not None:
             cur.lock_ref += 1
-            cur.lease_ref += lease
+            if not cur.lease_ref:
+                cur.tree.count_lease(cur, 1)
+            cur.lease_ref += 1
             cur = cur.parent
 
     def release(self) -> None:
@@ -138,8 +279,13 @@ class Pin:
         cur: TreeNode | None = self.node
         while cur is not None:
             cur.lock_ref -= 1
-            cur.lease_ref -= lease
+            if lease:
+                cur.lease_ref -= 1
+                if not cur.lease_ref:
+                    cur.tree.count_lease(cur, -1)
             assert cur.lock_ref >= 0 and cur.lease_ref >= 0, "pin released twice"
+            if not cur.lock_ref:
+                cur.tree.note(cur)  # unpinned: it may be an eviction candidate again
             cur = cur.parent
 
 
@@ -150,8 +296,38 @@ class HiRadixTree:
         self.page_size = page_size
         self.page_bytes = page_size * TOKEN_BYTES
         self.seed = namespace_digest
-        self.root = TreeNode(None, b"", [])
+        #: Pages of each tier held by nodes with a lease (``lease_ref > 0``): what waiting for
+        #: background jobs can never free. A leased node's host pages count only while it has no
+        #: device copy (its host mirror may be evicted; readers use the device pages).
+        self.leased_pages = {"device": 0, "host": 0}
+        #: Nodes whose eviction candidacy may have changed (residency, pins, children, loads) since
+        #: the evictor last looked; each appears once (``CHANGED`` mark). Removed nodes may appear.
+        self.changed: list[TreeNode] = []
+        self.size = 0  # nodes, the root excluded
+        self.root = TreeNode(self, None, b"", b"")
         self.root.lock_ref = 1  # the root is never evicted
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+
+    def note(self, node: TreeNode) -> None:
+        """Record that ``node``'s eviction candidacy may have changed (once until consumed)."""
+        if not node.marks & CHANGED:
+            node.marks |= CHANGED
+            self.changed.append(node)
+
+    def take_changed(self) -> list[TreeNode]:
+        """The nodes noted since the last call (their ``CHANGED`` mark cleared)."""
+        changed, self.changed = self.changed, []
+        for node in changed:
+            node.marks &= ~CHANGED
+        return changed
+
+    def count_lease(self, node: TreeNode, sign: int) -> None:
+        """``node`` gained (``+1``) or lost (``-1``) its last lease: count its pages in or out."""
+        n = node.num_pages
+        self.leased_pages["device"] += sign * _count(node._device, n)
+        if node._device is None:  # a leased host mirror may go: readers use the device copy
+            self.leased_pages["host"] += sign * _count(node._host, n)
 
     # -- matching -------------------------------------------------------------------------------
 
@@ -196,12 +372,16 @@ class HiRadixTree:
         """Split ``node`` after ``at_pages`` pages; return the new prefix node (the new parent)."""
         assert 0 < at_pages < node.num_pages
         pb = self.page_bytes
+        kb = at_pages * KEY_BYTES
         parent = node.parent
         assert parent is not None
-        prefix = TreeNode(parent, node.tokens[: at_pages * pb], node.keys[:at_pages])
-        prefix.device = node.device[:at_pages] if node.device is not None else None
-        prefix.host = node.host[:at_pages] if node.host is not None else None
-        prefix.loading = node.loading
+        prefix = TreeNode(self, parent, node.tokens[: at_pages * pb], node._keys[:kb])
+        # Pages move between two nodes that carry the same pins, so lease counts do not change:
+        # the slots are set directly, not through the reporting setters.
+        dev, host = node._device, node._host
+        prefix._device, node._device = _cut(dev, at_pages)
+        prefix._host, node._host = _cut(host, at_pages)
+        prefix._loading = node._loading
         prefix.backing_up = node.backing_up
         prefix.storing = node.storing
         prefix.stored = node.stored
@@ -210,17 +390,19 @@ class HiRadixTree:
         # Every pin on ``node`` walks through its parent chain, so the new parent carries them all.
         prefix.lock_ref = node.lock_ref
         prefix.lease_ref = node.lease_ref
+        prefix.device_children = 1 if dev is not None else 0  # ``node`` (the parent's count is unchanged)
         prefix.hit_count = node.hit_count
         prefix.last_access = node.last_access
         prefix.created = node.created
         prefix.priority = node.priority
-        parent.children[node.tokens[:pb]] = prefix
+        parent.children[node.tokens[:pb]] = prefix  # type: ignore[index]  # ``node``'s entry: a dict
         node.tokens = node.tokens[at_pages * pb :]
-        node.keys = node.keys[at_pages:]
-        node.device = node.device[at_pages:] if node.device is not None else None
-        node.host = node.host[at_pages:] if node.host is not None else None
+        node._keys = node._keys[kb:]
         node.parent = prefix
-        prefix.children[node.tokens[:pb]] = node
+        prefix.children = {node.tokens[:pb]: node}
+        self.size += 1
+        self.note(prefix)
+        self.note(node)
         return prefix
 
     # -- insertion ------------------------------------------------------------------------------
@@ -231,19 +413,26 @@ class HiRadixTree:
         assert tokens and len(tokens) % pb == 0
         first = tokens[:pb]
         assert first not in parent.children, "extend() over an existing child"
-        seed = parent.keys[-1] if parent.keys else self.seed
-        node = TreeNode(parent, tokens, chain_keys(seed, tokens, self.page_size))
-        parent.children[first] = node
+        seed = parent._keys[-KEY_BYTES:] if parent._keys else self.seed
+        node = TreeNode(self, parent, tokens, chain_keys(seed, tokens, self.page_size))
+        if parent.children is NO_CHILDREN:
+            parent.children = {}
+        parent.children[first] = node  # type: ignore[index]
+        self.size += 1
         return node
 
     def remove(self, node: TreeNode) -> None:
         """Unlink a childless, unpinned node that holds no pages any more."""
         assert not node.children and node.lock_ref == 0
-        assert node.device is None and node.host is None
+        assert node._device is None and node._host is None
         parent = node.parent
         assert parent is not None
-        del parent.children[node.tokens[: self.page_bytes]]
+        del parent.children[node.tokens[: self.page_bytes]]  # type: ignore[attr-defined]
+        if not parent.children:
+            parent.children = NO_CHILDREN
         node.parent = None
+        self.size -= 1
+        self.note(parent)  # it may have become a host leaf
 
     # -- traversal ------------------------------------------------------------------------------
 
@@ -277,7 +466,7 @@ class HiRadixTree:
         while end > 0:
             assert cur is not None and cur.parent is not None
             n = cur.num_pages
-            assert cur.keys == keys[end - n : end], "job pages no longer match the tree"
+            assert cur._keys == b"".join(keys[end - n : end]), "job pages no longer match the tree"
             out.append((cur, end - n, end))
             end -= n
             cur = cur.parent

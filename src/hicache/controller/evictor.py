@@ -12,6 +12,11 @@ both tiers:
   (batched, through the storage writer); one whose write is queued or in flight waits; one whose
   write failed goes, counted in ``lost_pages``.
 
+Victims come from candidate heaps kept up to date as nodes change (``candidates.py``), so a round
+costs O(log n) per victim, not a pass over the tree, and a large eviction (the watermark worker's)
+yields to the event loop every few hundred victims; the pages callers hold under leases are counted
+by the tree as pins come and go (``HiRadixTree.leased_pages``).
+
 When no victim is left to take, allocation waits for in-flight jobs that may make room (copies down,
 load-backs, stores publishing their pages), one completion at a time, at most
 ``controller.alloc_wait_s`` (``BoundedWait``): that wait is the backpressure a ``store`` feels from a
@@ -21,11 +26,11 @@ everything else is leased.
 
 from __future__ import annotations
 
-import heapq
 import logging
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 
 from ..io.transfer import TransferEngine
 from ..policies.base import EvictionPolicy
@@ -33,6 +38,7 @@ from ..radix_tree import HiRadixTree, Pin, TreeNode
 from ..stats import Counters
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
+from .candidates import DEVICE_LEAF, HOST_LEAF, HOST_MIRROR, Candidates, device_leaf, host_leaf, host_mirror
 from .jobs import BoundedWait, JobTracker
 from .residency import Residency, Verdict
 from .storage_writer import StorageWriter
@@ -40,6 +46,8 @@ from .storage_writer import StorageWriter
 __all__ = ["Evictor"]
 
 log = logging.getLogger(__name__)
+
+_YIELD_EVERY = 256  # victims examined between checkpoints: a bulk eviction never holds the loop long
 
 
 class Evictor:
@@ -75,6 +83,7 @@ class Evictor:
         self.on_device_alloc = on_device_alloc
         self.storage_writer = storage_writer
         self.on_host_copy = on_host_copy
+        self.candidates = Candidates(tree, eviction_policy)
         self._device_lock = anyio.Lock()
         self._host_lock = anyio.Lock()  # taken inside _device_lock (a device spill allocates host), never around it
 
@@ -94,6 +103,7 @@ class Evictor:
         ``CapacityError`` when ``n`` pages cannot be had.
         """
         waits = self._waiter(self.frees_device)
+        self.candidates.refresh()  # keep the queues current: each call pays for what changed since
         while n > self.device.free_pages:
             short = n - self.device.free_pages
             if await self.evict_device(short) >= short:
@@ -109,6 +119,7 @@ class Evictor:
     async def alloc_host(self, n: int, *, partial: bool = False) -> list[int]:
         """Allocate ``n`` host pages, evicting as needed (writing promised pages to storage first)."""
         waits = self._waiter(self.frees_host)
+        self.candidates.refresh()
         while n > self.host.free_pages:
             short = n - self.host.free_pages
             if await self.evict_host(short) >= short:
@@ -121,63 +132,58 @@ class Evictor:
     def _unleased(self, tier: str) -> int:
         """Pages of ``tier`` that callers do not hold: the most that waiting for jobs could free."""
         pool = self.device if tier == "device" else self.host
-        if tier == "device":
-            held = sum(len(nd.device or ()) for nd in self.tree.nodes() if nd.lease_ref > 0)
-        else:  # a leased node's host copy may go while its device copy stays (see _host_mirror)
-            held = sum(len(nd.host or ()) for nd in self.tree.nodes() if nd.lease_ref > 0 and nd.device is None)
-        return pool.num_pages - held
+        return pool.num_pages - self.tree.leased_pages[tier]
 
     # -- device ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _device_leaf(node: TreeNode) -> bool:
-        return (
-            node.device is not None and node.lock_ref == 0 and node.loading is None and not node.has_device_child()
-        )
-
-    def _push(self, heap: list[tuple[object, int, TreeNode]], node: TreeNode) -> None:
-        heapq.heappush(heap, (self.policy.key(node), node.id, node))
-
-    def _heap(self, wanted: Callable[[TreeNode], bool]) -> list[tuple[object, int, TreeNode]]:
-        heap = [(self.policy.key(nd), nd.id, nd) for nd in self.tree.nodes() if wanted(nd)]
-        heapq.heapify(heap)
-        return heap
+    _device_leaf = staticmethod(device_leaf)
 
     async def evict_device(self, n_pages: int) -> int:
         """Free at least ``n_pages`` device pages if the residency rule allows; return how many."""
         async with self._device_lock:
+            self.candidates.refresh()
             freed = 0
             while freed < n_pages:
                 dropped, spilled = await self._evict_device_round(n_pages - freed)
                 freed += dropped
                 if not dropped and not spilled:
                     break
-            self.counters.evicted_pages["device"] += freed
             return freed
 
     async def _evict_device_round(self, n_pages: int) -> tuple[int, bool]:
         """Drop device leaves in policy order; spill those that must reach the host first, batched."""
-        heap = self._heap(self._device_leaf)
+        candidates = self.candidates
+        candidates.refresh()
         freed = 0
         pending = 0
         to_spill: list[TreeNode] = []
-        while freed + pending < n_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._device_leaf(node):
-                continue
-            verdict = self.residency.leave_device(node)
-            if verdict is Verdict.COPY:
-                to_spill.append(node)
-                pending += node.num_pages
-            elif verdict in (Verdict.FREE, Verdict.LOST):
-                parent = node.parent
-                freed += self._drop_device(node)
-                if parent is not None and parent is not self.tree.root and self._device_leaf(parent):
-                    self._push(heap, parent)
-        spilled = await self._spill(to_spill) if to_spill else 0
-        for node in to_spill:
-            if self._device_leaf(node) and self.residency.leave_device(node) in (Verdict.FREE, Verdict.LOST):
-                freed += self._drop_device(node)
+        taken: list[TreeNode] = []
+        seen: set[int] = set()
+        try:
+            while freed + pending < n_pages:
+                node = candidates.pop(DEVICE_LEAF)
+                if node is None:
+                    break
+                taken.append(node)
+                if not len(taken) % _YIELD_EVERY:
+                    await anyio.lowlevel.checkpoint()  # a bulk eviction lets other calls in
+                if node.id in seen or not self._device_leaf(node):
+                    continue
+                seen.add(node.id)
+                verdict = self.residency.leave_device(node)
+                if verdict is Verdict.COPY:
+                    to_spill.append(node)
+                    pending += node.num_pages
+                elif verdict in (Verdict.FREE, Verdict.LOST):
+                    freed += self._drop_device(node)
+                    candidates.refresh()  # its parent may be a device leaf now
+            spilled = await self._spill(to_spill) if to_spill else 0
+            for node in to_spill:
+                if self._device_leaf(node) and self.residency.leave_device(node) in (Verdict.FREE, Verdict.LOST):
+                    freed += self._drop_device(node)
+        finally:
+            for node in taken:  # waiting, not spilled, or dropped: the tree's report re-queues what still qualifies
+                self.tree.note(node)
         return freed, spilled > 0
 
     def _drop_device(self, node: TreeNode) -> int:
@@ -185,6 +191,7 @@ class Evictor:
         assert pages is not None
         node.device = None
         self.device.allocator.free(pages)
+        self.counters.evicted_pages["device"] += len(pages)
         if node.host is None:
             if self.residency.owed_below(node):
                 self.counters.lost_pages["device"] += len(pages)  # its write failed: this was its last copy
@@ -197,19 +204,28 @@ class Evictor:
         Nodes that find no host room (the host is full of pinned pages) stay on the device.
         """
         placed: list[tuple[TreeNode, list[bytes], list[int], Pin]] = []
-        for node in nodes:
-            host_pages = await self.alloc_host(node.num_pages, partial=True)
-            if len(host_pages) < node.num_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
-                self.host.allocator.free(host_pages)
-                continue
-            node.backing_up = True
-            placed.append((node, list(node.keys), host_pages, Pin(node, job=True)))
-        if not placed:
-            return 0
-        src = [p for node, _, _, _ in placed for p in node.device or []]
-        dst = [p for _, _, pages, _ in placed for p in pages]
         done = False
         try:
+            # Inside the try: reserving host room for a later victim may wait (a write to storage
+            # first) and be cancelled; the victims placed by then must be released.
+            for node in nodes:
+                host_pages = await self.alloc_host(node.num_pages, partial=True)
+                if len(host_pages) < node.num_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
+                    self.host.allocator.free(host_pages)
+                    continue
+                node.backing_up = True
+                placed.append((node, list(node.keys), host_pages, Pin(node, job=True)))
+            if not placed:
+                return 0
+            # Read the pages from the nodes that hold the victims' keys now: another call may have
+            # split a victim while a later one waited for host room (its prefix moved to a new parent).
+            src = [
+                p
+                for node, keys, _, _ in placed
+                for covered, _, _ in reversed(self.tree.covering(node, keys))
+                for p in covered.device or ()
+            ]
+            dst = [p for _, _, pages, _ in placed for p in pages]
             await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
             done = True
         finally:
@@ -231,60 +247,59 @@ class Evictor:
 
     # -- host -----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _host_leaf(node: TreeNode) -> bool:
-        return (
-            node.host is not None and node.device is None and not node.children
-            and node.lock_ref == 0 and node.loading is None
-        )
-
-    @staticmethod
-    def _host_mirror(node: TreeNode) -> bool:
-        """A host copy of a node that is still on the device (its second choice).
-
-        Pinned or not: a lease reads the device copy, and the page stays in memory there; only a
-        load-back reads the host copy (``loading``), and a storage write keeps it (``storing``).
-        """
-        return node.host is not None and node.device is not None and node.loading is None
+    _host_leaf = staticmethod(host_leaf)
+    _host_mirror = staticmethod(host_mirror)
 
     async def evict_host(self, n_pages: int) -> int:
         """Drop at least ``n_pages`` host pages if the residency rule allows; return how many."""
         async with self._host_lock:
+            self.candidates.refresh()
             freed = 0
-            for wanted in (self._host_leaf, self._host_mirror):
+            for kind in (HOST_LEAF, HOST_MIRROR):
                 while freed < n_pages:
-                    dropped, spilled = await self._evict_host_round(n_pages - freed, wanted)
+                    dropped, spilled = await self._evict_host_round(n_pages - freed, kind)
                     freed += dropped
                     if not dropped and not spilled:
                         break
-            self.counters.evicted_pages["host"] += freed
             return freed
 
-    async def _evict_host_round(self, n_pages: int, wanted: Callable[[TreeNode], bool]) -> tuple[int, bool]:
-        """Drop ``wanted`` host copies in policy order; write those promised to storage first."""
-        heap = self._heap(wanted)
+    async def _evict_host_round(self, n_pages: int, kind: int) -> tuple[int, bool]:
+        """Drop host copies of ``kind`` in policy order; write those promised to storage first."""
+        candidates = self.candidates
+        wanted = candidates.wanted(kind)
+        candidates.refresh()
         freed = 0
         pending = 0
         to_write: list[TreeNode] = []
-        while freed + pending < n_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not wanted(node):
-                continue
-            verdict = self.residency.leave_host(node)
-            if verdict is Verdict.COPY:
-                to_write.append(node)
-                pending += node.num_pages
-            elif verdict in (Verdict.FREE, Verdict.LOST):
-                parent = node.parent
-                freed += self._drop_host(node, lost=verdict is Verdict.LOST)
-                if parent is not None and parent is not self.tree.root and wanted(parent):
-                    self._push(heap, parent)
-        written = await self._write_to_storage(to_write) if to_write else 0
-        for node in to_write:
-            if wanted(node):
+        taken: list[TreeNode] = []
+        seen: set[int] = set()
+        try:
+            while freed + pending < n_pages:
+                node = candidates.pop(kind)
+                if node is None:
+                    break
+                taken.append(node)
+                if not len(taken) % _YIELD_EVERY:
+                    await anyio.lowlevel.checkpoint()
+                if node.id in seen or not wanted(node):
+                    continue
+                seen.add(node.id)
                 verdict = self.residency.leave_host(node)
-                if verdict in (Verdict.FREE, Verdict.LOST):
+                if verdict is Verdict.COPY:
+                    to_write.append(node)
+                    pending += node.num_pages
+                elif verdict in (Verdict.FREE, Verdict.LOST):
                     freed += self._drop_host(node, lost=verdict is Verdict.LOST)
+                    candidates.refresh()  # its parent may be a host leaf now
+            written = await self._write_to_storage(to_write) if to_write else 0
+            for node in to_write:
+                if wanted(node):
+                    verdict = self.residency.leave_host(node)
+                    if verdict in (Verdict.FREE, Verdict.LOST):
+                        freed += self._drop_host(node, lost=verdict is Verdict.LOST)
+        finally:
+            for node in taken:
+                self.tree.note(node)
         return freed, written > 0 or bool(to_write)
 
     def _drop_host(self, node: TreeNode, *, lost: bool) -> int:
@@ -292,6 +307,7 @@ class Evictor:
         assert pages is not None
         node.host = None
         self.host.allocator.free(pages)
+        self.counters.evicted_pages["host"] += len(pages)
         if node.device is None:
             if lost:
                 self.counters.lost_pages["host"] += len(pages)

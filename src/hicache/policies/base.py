@@ -17,7 +17,12 @@ __all__ = ["EvictionPolicy", "WritePolicy"]
 
 
 class EvictionPolicy(ABC):
-    """Orders eviction candidates: the node with the smallest key goes first."""
+    """Orders eviction candidates: the node with the smallest key goes first.
+
+    A node's key may grow while it is cached (a hit, a touch) but never shrink: the evictor keeps
+    candidates in heaps and re-checks a key only when its entry reaches the top
+    (``controller/candidates.py``). Every built-in policy keeps to this.
+    """
 
     name: str = "eviction"
 

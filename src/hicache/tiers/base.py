@@ -13,11 +13,13 @@ lazily (the storage tiers of a later issue) share the lifecycle; constructors ne
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import CacheClosedError, CapacityError
+from .free_runs import FreeRuns
 
 __all__ = ["KVGeometry", "PageAllocator", "MemoryTier"]
 
@@ -51,67 +53,51 @@ class PageAllocator:
 
     Hands out pages in as few runs of consecutive indices as it can (the smallest free run that
     fits, else the longest runs first), because the kernel io backend pays per run, not per page.
+    Allocating and freeing cost O(log pool) plus the pages themselves (``free_runs.py``).
     """
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
-        self._free = torch.ones(num_pages, dtype=torch.bool)
-        self._num_free = num_pages
+        self._runs = FreeRuns(num_pages)
 
     @property
     def num_free(self) -> int:
-        return self._num_free
+        return self._runs.num_free
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - self._num_free
+        return self.num_pages - self._runs.num_free
 
     def allocate(self, n: int) -> list[int]:
         """Allocate ``n`` pages, all or nothing; ``CapacityError`` if fewer are free."""
         if n < 0:
             raise ValueError("negative page count")
-        if n > self._num_free:
-            raise CapacityError(f"{n} pages requested, {self._num_free} free")
+        if n > self._runs.num_free:
+            raise CapacityError(f"{n} pages requested, {self._runs.num_free} free")
         if n == 0:
             return []
-        idx = self._pick(n)
-        self._free[idx] = False
-        self._num_free -= n
-        return idx.tolist()
+        return self._runs.take(n)
 
-    def _pick(self, n: int) -> torch.Tensor:
-        """Indices of ``n`` free pages in few runs (vectorised: no per-page Python work)."""
-        mask = self._free.to(torch.int8)
-        edges = torch.diff(mask, prepend=mask.new_zeros(1), append=mask.new_zeros(1))
-        starts = torch.nonzero(edges == 1).view(-1)
-        lengths = torch.nonzero(edges == -1).view(-1) - starts
-        fits = lengths >= n
-        if bool(fits.any()):
-            # Best fit: the smallest run that holds all n keeps large runs for large requests.
-            best = int(torch.argmin(torch.where(fits, lengths, lengths.new_full((), self.num_pages + 1))))
-            return torch.arange(int(starts[best]), int(starts[best]) + n)
-        order = torch.argsort(lengths, descending=True, stable=True)
-        picked: list[torch.Tensor] = []
-        left = n
-        for i in order.tolist():
-            take = min(left, int(lengths[i]))
-            picked.append(torch.arange(int(starts[i]), int(starts[i]) + take))
-            left -= take
-            if left == 0:
-                break
-        return torch.sort(torch.cat(picked)).values
-
-    def free(self, pages: list[int]) -> None:
-        if not pages:
+    def free(self, pages: Sequence[int]) -> None:
+        if not len(pages):
             return
-        idx = torch.tensor(pages, dtype=torch.long)
-        if len(set(pages)) != len(pages) or bool(self._free[idx].any()):
-            raise AssertionError(f"double free of pages {pages[:8]}...")
-        self._free[idx] = True
-        self._num_free += len(pages)
+        runs = self._runs
+        limit = self.num_pages
+        for p in pages:
+            if not 0 <= p < limit:
+                raise AssertionError(f"free of foreign page {p} (the pool has {limit} pages)")
+            if runs.is_free(p):
+                raise AssertionError(f"double free of pages {list(pages[:8])}...")
+        if len(set(pages)) != len(pages):
+            raise AssertionError(f"double free of pages {list(pages[:8])}...")
+        runs.give(pages)
 
     def is_allocated(self, page: int) -> bool:
-        return not bool(self._free[page])
+        return not self._runs.is_free(page)
+
+    def free_runs(self) -> list[tuple[int, int]]:
+        """The free pages as ``(start, length)`` runs, by start."""
+        return self._runs.runs()
 
 
 class MemoryTier(ABC):
