@@ -29,7 +29,8 @@ def brute_leased(cache: HiCache) -> dict[str, int]:
     for node in cache.controller.tree.nodes():
         if node.lease_ref:
             out["device"] += len(node.device or ())
-            out["host"] += len(node.host or ())
+            if node.device is None:  # a leased node's host mirror may be evicted
+                out["host"] += len(node.host or ())
     return out
 
 
