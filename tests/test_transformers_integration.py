@@ -9,7 +9,7 @@ import anyio
 import pytest
 import torch
 
-from hicache import HiCache, InvalidTokensError, UnsupportedModelError
+from hicache import HiCache, InvalidRequestError, InvalidTokensError, UnsupportedModelError
 from hicache.integrations.transformers import CachedCausalLM, ModelSpec, model_fingerprint, model_overrides
 
 from .helpers import assert_consistent
@@ -185,3 +185,63 @@ async def test_a_sequence_started_without_lookup_still_reads_the_file_tier(tmp_p
             await seq.prefill()
         assert seq.by_tier["file"] == 96
         assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
+
+
+async def test_a_prefix_over_scattered_device_pages_is_restored_in_place() -> None:
+    tokens = prompt(140, seed=16)
+    async with HiCache.from_config(lm_config(MODEL, None)) as cache:
+        lm = CachedCausalLM(MODEL, cache)
+        await run(lm, tokens[:64])  # pages 0-3
+        await run(lm, prompt(64, seed=17))  # pages 4-7: the next pages of `tokens` go elsewhere
+        await run(lm, tokens[:129])  # pages 8-11
+        _, seq = await run(lm, tokens)
+        assert seq.cached_tokens == 128 and len(seq._runs) == 2  # two runs of consecutive pages
+        assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
+        assert seq.stages["restore_copy"] > 0 and seq.stages["prefill_compute"] > 0 and seq.stages["retrieve"] > 0
+
+
+async def test_a_sequence_longer_than_its_model_cache_grows_it() -> None:
+    tokens = prompt(40, seed=18)
+    lm = CachedCausalLM(MODEL, None)
+    async with lm.sequence(tokens, max_new_tokens=1) as seq:  # a buffer of 128 tokens
+        out = [await seq.prefill()]
+        for _ in range(130):
+            out.append(await seq.decode(out[-1]))
+    assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens + out[:-1]), atol=1e-4)
+    with pytest.raises(InvalidRequestError):  # the block has exited: its buffers went back
+        await seq.decode(out[-1])
+
+
+async def test_model_cache_buffers_are_reused_between_sequences() -> None:
+    lm = CachedCausalLM(MODEL, None)
+    for seed in (19, 20):
+        tokens = prompt(50, seed=seed)
+        out, seq = await run(lm, tokens, new_tokens=3)
+        assert out == greedy(MODEL, tokens, 4)
+    assert len(lm.buffers._idle) == 1  # one buffer, taken and given back twice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_prefix_restored_on_the_gpu_gives_the_logits_of_a_full_prefill(tmp_path: Path) -> None:
+    model = tiny_model().cuda()
+    tokens = prompt(200, seed=21)
+    base = lm_config(model, tmp_path / "pages", device_pages=8, host_pages=32)
+    page_bytes = base.page_bytes
+    config = lm_config(model, tmp_path / "pages", tiers={
+        "device": {"capacity": 8 * page_bytes, "device": "cuda"},
+        "host": {"capacity": 32 * page_bytes, "pin_memory": True},
+        "storage": [{"kind": "file", "path": str(tmp_path / "pages")}],
+    })
+    async with HiCache.from_config(config) as cache:
+        lm = CachedCausalLM(model, cache)
+        assert cache.device_kv.is_cuda and cache.controller.host.pin_memory
+        await run(lm, tokens[:100])
+        await cache.wait_idle()
+        await run(lm, prompt(130, seed=22))  # 8 pages: the first prompt's pages leave the device
+        await cache.wait_idle()
+        _, seq = await run(lm, tokens)
+        assert seq.by_tier["host"] == 96
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([tokens], device="cuda"), use_cache=False).logits[0, -1].float()
+    assert torch.allclose(seq.logits, expected, atol=1e-4)
