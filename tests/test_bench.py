@@ -23,7 +23,8 @@ DIST = {"mean", "p50", "p90", "p99"}
 SUMMARY = {
     "requests", "duration_s", "ttft_s", "itl_s", "prefill_s", "queue_s", "input_tokens", "output_tokens",
     "input_tok_s", "output_tok_s", "hit_rate", "ideal_hit_rate", "hit_vs_ideal", "hit_rate_by_tier", "per_round",
-    "computed_ideal_hit_rate", "hit_vs_computed_ideal", "stages", "ttft_vs_oracle", "cpu_pressure",
+    "computed_ideal_hit_rate", "hit_vs_computed_ideal", "stages", "ttft_vs_oracle", "cpu_pressure", "ttft_cpu_s",
+    "ttft_cpu_vs_oracle",
 }
 CONFIGS = ["no-cache", "oracle", "device-only", "hierarchical", "warm-restart"]
 
@@ -145,8 +146,8 @@ async def test_the_oracle_serves_every_computed_page_and_the_same_answers() -> N
     outputs = {}
     for name in ("no-cache", "oracle"):
         lm = OracleLM(model, 16) if name == "oracle" else CachedCausalLM(model, None)
-        clock = lm.clock if isinstance(lm, OracleLM) else time.monotonic
-        async with Engine(lm, max_running=1, clock=clock) as engine:
+        clocks = dict(clock=lm.clock, cpu_clock=lm.cpu_clock) if isinstance(lm, OracleLM) else {}
+        async with Engine(lm, max_running=1, **clocks) as engine:
             records = await drive(engine, workload.conversations(1000), settings)
         outputs[name] = {(r.conversation, r.round): r.output for r in records}
         for r in records:
@@ -154,6 +155,7 @@ async def test_the_oracle_serves_every_computed_page_and_the_same_answers() -> N
             # token never went through the model), so whole pages of them.
             assert r.computed_ideal_tokens == (23 * r.round - 1) // 16 * 16 if r.round else r.computed_ideal_tokens == 0
             assert r.cached_tokens == (r.computed_ideal_tokens if name == "oracle" else 0)
+            assert (r.ttft_cpu_s is not None) == (name == "oracle")
         if name == "oracle":
             assert lm.clock.stopped_s > 0 and sum(r.cached_tokens for r in records) > 0
     assert outputs["oracle"] == outputs["no-cache"]

@@ -21,7 +21,17 @@ from typing import Any
 
 from .models import MODELS
 from .profiling import cpu_pressure
-from .report import add_oracle_ratios, check_targets, format_rounds, format_stages, format_table, outputs_of, plot, summarise
+from .report import (
+    add_oracle_ratios,
+    check_targets,
+    format_activity,
+    format_rounds,
+    format_stages,
+    format_table,
+    outputs_of,
+    plot,
+    summarise,
+)
 from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing
 from .vllm_bench import add_parser as add_vllm_parser
 from .vllm_bench import run_vllm_benchmark
@@ -49,9 +59,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-fraction", type=float, default=0.25, help="device tier / workload KV")
     g.add_argument("--host-fraction", type=float, default=0.5, help="host tier / workload KV")
     g.add_argument("--no-plot", action="store_true")
-    g.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu: times are the process's CPU seconds (all threads), steadier than wall time on a "
-                        "busy machine; they count work, not waiting (default: wall)")
+    g.add_argument("--no-yield", action="store_true",
+                   help="the cache's backups and storage writes do not wait for prefills (for comparison)")
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler in each configuration: its top operators go into results.json")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -114,7 +123,7 @@ def base_spec(args: argparse.Namespace, out: Path) -> RunSpec:
         max_running=max_running,
         progress=not args.quiet,
         profile=args.profile,
-        clock=args.clock,
+        yield_to_prefills=not args.no_yield,
     )
 
 
@@ -151,7 +160,6 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "workload": base.workload,
         "driver": base.driver,
         "max_running": base.max_running,
-        "clock": args.clock,
         "sizing": asdict(Sizing(**base.sizing)),
         "kv_tokens": workload.kv_tokens(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -172,6 +180,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     print("where the time goes (mean ms per request; `other`: TTFT no stage timer covers):")
     print(format_stages(summaries))
     print()
+    if args.profile:
+        print("traced work (--profile):")
+        print(format_activity(results))
+        print()
     print("hit rate per round:")
     print(format_rounds(summaries))
     for name, s in summaries.items():

@@ -58,6 +58,7 @@ class Record:
     computed_ideal_tokens: int
     by_tier: dict[str, int]
     ttft_s: float
+    ttft_cpu_s: float | None
     queue_s: float
     prefill_s: float
     itl_s: list[float]
@@ -79,6 +80,7 @@ class Record:
             computed_ideal_tokens=computed_ideal,
             by_tier=dict(result.by_tier),
             ttft_s=result.ttft_s,
+            ttft_cpu_s=result.ttft_cpu_s,
             queue_s=result.queue_s,
             prefill_s=result.prefill_s,
             itl_s=list(result.itl_s),

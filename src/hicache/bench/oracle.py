@@ -65,13 +65,13 @@ class StoppableClock:
 class OracleLM:
     """A ``CachedCausalLM`` look-alike (no hicache) whose requests start from every page computed before."""
 
-    def __init__(self, model: Any, page_size: int, *, gate: ComputeGate | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, model: Any, page_size: int, *, gate: ComputeGate | None = None) -> None:
         self.inner = CachedCausalLM(model, None, gate=gate)
         self.gate = self.inner.gate
         self.vocab_size = self.inner.vocab_size
         self.page_size = page_size
-        self.clock = StoppableClock(clock)
+        self.clock = StoppableClock(time.monotonic)  # the engine's clock
+        self.cpu_clock = StoppableClock(time.process_time)  # and its cpu_clock
         self._pages: dict[bytes, torch.Tensor] = {}  # chain key -> [2, L, H, page, D]
 
     def page_keys(self, tokens: Seq[int], pages: int) -> list[bytes]:
@@ -84,6 +84,11 @@ class OracleLM:
             prev = xxhash.xxh3_128_digest(prev + ids[i * ps : (i + 1) * ps].tobytes())
             keys.append(prev)
         return keys
+
+    @contextmanager
+    def clocks_stopped(self) -> Any:
+        with self.clock.stopped(), self.cpu_clock.stopped():
+            yield
 
     @property
     def kept_bytes(self) -> int:
@@ -125,7 +130,7 @@ class OracleSequence(Sequence):
     async def prefill(self) -> int:
         if self.cached_tokens > 0 and self._kv is None:
             async with self.lm.gate.hold(ComputeGate.PREFILL):
-                with self.oracle.clock.stopped():
+                with self.oracle.clocks_stopped():
                     self._kv = await anyio.to_thread.run_sync(self._prepare)
         return await super().prefill()
 
@@ -149,7 +154,7 @@ class OracleSequence(Sequence):
         if end <= self._kept:
             return None
         async with self.lm.gate.hold(ComputeGate.DECODE):
-            with self.oracle.clock.stopped():
+            with self.oracle.clocks_stopped():
                 await anyio.to_thread.run_sync(self._keep, end)
         return None
 

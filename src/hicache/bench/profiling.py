@@ -7,6 +7,9 @@
   (torch's OpenMP threads have none), to see which threads compete with the model.
 * ``torch_profile(on)``: ``torch.profiler`` over a block; ``result`` holds the top operators.
 * ``stage_summary(records)``: the per-stage timers of the requests, as means and shares of TTFT.
+* ``ActivityTrace`` / ``install_trace``: wall and CPU time of the model's forwards and of the
+  cache's copies, checksums, file reads, writes and fsyncs, and how much of each overlapped a
+  prefill (``--profile``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["cpu_pressure", "process_times", "thread_times", "torch_profile", "stage_summary", "TorchProfile"]
+__all__ = [
+    "ActivityTrace", "TorchProfile", "cpu_pressure", "install_trace", "process_times", "stage_summary", "thread_times",
+    "torch_profile",
+]
 
 
 def cpu_pressure() -> dict[str, float] | None:
@@ -116,3 +122,79 @@ def stage_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         # TTFT = queueing (lookup included) + the prefill-side stages + what no timer covers
         "ttft_unexplained_s": ttft - explained,
     }
+
+
+class ActivityTrace:
+    """Which work ran when, to see what overlaps a prefill (``--profile`` only).
+
+    ``wrap(owner, name, label)`` replaces ``owner.name`` (a function called in a worker thread) by a
+    timed one: each call's wall interval and the CPU seconds of its thread. ``forward`` calls are
+    split into prefills (more than one token) and decode steps. ``summary()`` gives, per label, the
+    calls, wall and CPU seconds, and the wall seconds that overlapped a prefill forward.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.intervals: dict[str, list[tuple[float, float, float]]] = {}  # label -> (start, end, thread cpu)
+
+    def record(self, label: str, start: float, end: float, cpu: float) -> None:
+        with self._lock:
+            self.intervals.setdefault(label, []).append((start, end, cpu))
+
+    def wrap(self, owner: Any, name: str, label: str | Any) -> None:
+        import functools
+        import time
+
+        fn = getattr(owner, name)
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                which = label(*args, **kwargs) if callable(label) else label
+                self.record(which, t0, time.perf_counter(), time.thread_time() - c0)
+
+        setattr(owner, name, timed)
+
+    def summary(self) -> dict[str, Any]:
+        prefills = sorted((a, b) for a, b, _ in self.intervals.get("prefill forward", []))
+        out: dict[str, Any] = {}
+        for label, spans in sorted(self.intervals.items()):
+            overlap = 0.0
+            if label != "prefill forward":
+                for a, b, _ in spans:
+                    overlap += sum(max(0.0, min(b, pb) - max(a, pa)) for pa, pb in prefills if pa < b and pb > a)
+            out[label] = {
+                "calls": len(spans),
+                "wall_s": sum(b - a for a, b, _ in spans),
+                "thread_cpu_s": sum(c for _, _, c in spans),
+                "wall_during_prefill_s": overlap,
+            }
+        return out
+
+
+def install_trace(trace: ActivityTrace) -> None:
+    """Time the model's forwards and the cache's background work in this process."""
+    import os as _os
+
+    from ..integrations.transformers import causal_lm
+    from ..io import transfer
+    from ..tiers.storage import file as file_backend
+    from ..tiers.storage import tier
+
+    def forward_label(self: Any, ids: list[int], kv: Any) -> str:
+        return "prefill forward" if len(ids) > 1 else "decode forward"
+
+    trace.wrap(causal_lm.CachedCausalLM, "forward", forward_label)
+    trace.wrap(causal_lm.Sequence, "_restore_layer", "restore copy (compute thread)")
+    trace.wrap(causal_lm.Sequence, "_export", "export (compute thread)")
+    trace.wrap(transfer.TransferEngine, "device_to_host", "backup/spill copy device->host")
+    trace.wrap(transfer.TransferEngine, "host_to_device", "load-back copy host->device")
+    trace.wrap(transfer.TransferEngine, "user_to_pool", "store copy into pool pages")
+    trace.wrap(tier.StorageTier, "_encode", "storage: encode headers (checksums)")
+    trace.wrap(tier.StorageTier, "_verify", "storage: verify read pages")
+    trace.wrap(file_backend, "write_pages", "file tier: write page files (incl. fsync)")
+    trace.wrap(file_backend, "read_pages", "file tier: read page files")
+    trace.wrap(_os, "fsync", "file tier: fsync")

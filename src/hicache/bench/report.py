@@ -18,7 +18,7 @@ from typing import Any
 
 from .profiling import stage_summary
 
-__all__ = ["summarise", "add_oracle_ratios", "format_table", "format_stages", "plot", "percentile", "check_targets"]
+__all__ = ["summarise", "add_oracle_ratios", "format_table", "format_stages", "format_activity", "plot", "percentile", "check_targets"]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -78,6 +78,7 @@ def summarise(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "duration_s": duration,
         "wall_s": wall_s,
         "ttft_s": _dist([r["ttft_s"] for r in records]),
+        "ttft_cpu_s": _dist([r["ttft_cpu_s"] for r in records if r.get("ttft_cpu_s") is not None]),
         "prefill_s": _dist([r["prefill_s"] for r in records]),
         "queue_s": _dist([r["queue_s"] for r in records]),
         "itl_s": _dist([x for r in records for x in r["itl_s"]]),
@@ -103,10 +104,14 @@ def add_oracle_ratios(summaries: dict[str, dict[str, Any]]) -> None:
     for s in summaries.values():
         if oracle is None:
             s["ttft_vs_oracle"] = None
+            s["ttft_cpu_vs_oracle"] = math.nan
             continue
         s["ttft_vs_oracle"] = {
             q: (s["ttft_s"][q] / oracle["ttft_s"][q] if oracle["ttft_s"][q] else math.nan) for q in ("mean", "p50", "p90")
         }
+        # The same in CPU seconds of the process (steadier than wall time on a shared machine).
+        mine, ref = s["ttft_cpu_s"]["mean"], oracle["ttft_cpu_s"]["mean"]
+        s["ttft_cpu_vs_oracle"] = mine / ref if ref == ref and ref else math.nan
 
 
 def outputs_of(records: list[dict[str, Any]]) -> dict[tuple[int, int], list[int]]:
@@ -169,7 +174,8 @@ def format_table(summaries: dict[str, dict[str, Any]], tiers: list[str], base_na
     ratios against ``oracle``."""
     base = summaries.get(base_name, {}).get("ttft_s", {}).get("mean")
     oracle = summaries.get("oracle", {}).get("ttft_s", {}).get("mean")
-    head = ["config", "TTFT mean", "p50", "p90", "p99", f"vs {base_name}", "/ oracle", "ITL mean", "p99", "in tok/s",
+    head = ["config", "TTFT mean", "p50", "p90", "p99", f"vs {base_name}", "/ oracle", "CPU TTFT", "/ oracle",
+            "ITL mean", "p99", "in tok/s",
             "out tok/s", "hit rate", "ideal", "hit/ideal", "c.ideal", "hit/c.ideal", *[f"from {t}" for t in tiers]]
     rows = [head]
     for name, s in summaries.items():
@@ -178,6 +184,8 @@ def format_table(summaries: dict[str, dict[str, Any]], tiers: list[str], base_na
         vs_oracle = f"{t['mean'] / oracle:.3f}" if oracle else "-"
         rows.append([
             name, _ms(t["mean"]), _ms(t["p50"]), _ms(t["p90"]), _ms(t["p99"]), speedup, vs_oracle,
+            _ms(s["ttft_cpu_s"]["mean"]), "-" if s.get("ttft_cpu_vs_oracle", math.nan) != s.get("ttft_cpu_vs_oracle", math.nan)
+            else f"{s['ttft_cpu_vs_oracle']:.3f}",
             _ms(s["itl_s"]["mean"]), _ms(s["itl_s"]["p99"]),
             f"{s['input_tok_s']:,.0f}", f"{s['output_tok_s']:,.1f}",
             _pct(s["hit_rate"]), _pct(s["ideal_hit_rate"]), _ratio(s["hit_vs_ideal"]),
@@ -212,6 +220,27 @@ def format_stages(summaries: dict[str, dict[str, Any]]) -> str:
         rows.append([name, _ms(st.get("ttft_mean_s", math.nan)), _ms(st.get("queue_mean_s", math.nan)),
                      *[_ms(mean.get(k, 0.0)) if k in mean else "-" for k in _STAGE_COLUMNS],
                      _ms(st.get("ttft_unexplained_s", math.nan))])
+    return _grid(rows)
+
+
+def format_activity(results: dict[str, dict[str, Any]]) -> str:
+    """``--profile``: per configuration, the traced work in ms per request (wall, thread CPU, wall
+    overlapping a prefill forward)."""
+    labels: list[str] = []
+    for r in results.values():
+        for label in ((r.get("profile") or {}).get("activity") or {}):
+            if label not in labels:
+                labels.append(label)
+    rows = [["work (ms per request: wall / cpu / during prefill)", *results]]
+    for label in labels:
+        row = [label]
+        for r in results.values():
+            a = ((r.get("profile") or {}).get("activity") or {}).get(label)
+            n = max(1, len(r["records"]))
+            row.append("-" if a is None else
+                       f"{a['wall_s'] * 1e3 / n:,.1f} / {a['thread_cpu_s'] * 1e3 / n:,.1f} / "
+                       f"{a['wall_during_prefill_s'] * 1e3 / n:,.1f}")
+        rows.append(row)
     return _grid(rows)
 
 

@@ -30,7 +30,7 @@ from ..integrations.transformers import CachedCausalLM
 from .driver import DriverSettings, drive
 from .models import load_model
 from .oracle import OracleLM
-from .profiling import cpu_pressure, process_times, thread_times, torch_profile
+from .profiling import ActivityTrace, cpu_pressure, install_trace, process_times, thread_times, torch_profile
 from .scenarios import Sizing, cache_config, device_tokens
 from .workloads import LongContext, MultiTurn
 
@@ -53,7 +53,7 @@ class RunSpec:
     max_running: int = 4
     progress: bool = True
     profile: bool = False  # torch.profiler over the run: the top operators go into the result
-    clock: str = "wall"  # "cpu": every time is this process's CPU seconds (all threads) instead
+    yield_to_prefills: bool = True  # the cache's background work waits while a prefill computes
 
     def make_workload(self) -> MultiTurn | LongContext:
         kind = MultiTurn if self.benchmark == "multiturn" else LongContext
@@ -99,15 +99,16 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
 
     async def serve(cache: HiCache | None) -> tuple[list[Any], float]:
         nonlocal oracle
-        base = time.process_time if spec.clock == "cpu" else time.monotonic
         if spec.configuration == "oracle":
-            oracle = OracleLM(model, page_size, clock=base)
+            oracle = OracleLM(model, page_size)
             lm: Any = oracle
-            clock: Any = oracle.clock
+            clock, cpu_clock = oracle.clock, oracle.cpu_clock
         else:
-            lm, clock = CachedCausalLM(model, cache), base
+            lm = CachedCausalLM(model, cache, yield_to_prefills=spec.yield_to_prefills)
+            clock, cpu_clock = time.monotonic, time.process_time
         started = time.perf_counter()
-        async with Engine(lm, max_running=spec.max_running, max_kv_tokens=kv_budget, clock=clock) as engine:
+        async with Engine(lm, max_running=spec.max_running, max_kv_tokens=kv_budget, clock=clock,
+                          cpu_clock=cpu_clock) as engine:
             records = await drive(engine, conversations, driver, on_done)
         return records, time.perf_counter() - started
 
@@ -117,6 +118,9 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
         "torch_interop_threads": torch.get_num_interop_threads(),
         "cpu_pressure_before": cpu_pressure(),
     }
+    trace = ActivityTrace()
+    if spec.profile:
+        install_trace(trace)
     times = process_times()
     with torch_profile(spec.profile) as profile:
         if config is None:
@@ -139,7 +143,7 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
         "cache_stats": _jsonable(stats),
         "machine": machine,
         "oracle": None if oracle is None else {"kept_bytes": oracle.kept_bytes, "clock_stopped_s": oracle.clock.stopped_s},
-        "profile": profile.result if spec.profile else None,
+        "profile": {"torch": profile.result, "activity": trace.summary()} if spec.profile else None,
     }
 
 

@@ -54,6 +54,7 @@ class RequestResult:
     by_tier: Mapping[str, int]
     stages: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     restore_wait_by_layer: tuple[float, ...] = ()
+    ttft_cpu_s: float | None = None  # CPU seconds of the process from arrival to first token (with a cpu_clock)
 
     @property
     def ttft_s(self) -> float:

@@ -49,6 +49,9 @@ class CachedCausalLM:
 
     ``cache=None`` gives the same API without caching (the no-cache baseline). ``layerwise=False``
     restores every layer before the forward instead of as the forward reaches it.
+    ``yield_to_prefills`` (default) makes the cache's backups and storage writes wait while a
+    prefill computes (at most ``controller.yield_max_s`` at a time), so they do not compete with it
+    for the cores.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class CachedCausalLM:
         *,
         gate: ComputeGate | None = None,
         layerwise: bool = True,
+        yield_to_prefills: bool = True,
     ) -> None:
         self.model = model.eval()
         self.cache = cache
@@ -65,6 +69,9 @@ class CachedCausalLM:
         if cache is not None:
             self.spec.check(cache.config)
         self.gate = gate if gate is not None else ComputeGate()
+        if cache is not None and yield_to_prefills:
+            # The cache's backups and storage writes wait while a prefill computes (bounded).
+            cache.controller.yield_to_compute = self.gate.wait_no_prefill
         self.layerwise = layerwise
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # 5.x / 4.5x
