@@ -25,7 +25,7 @@ import xxhash
 
 from ..integrations.transformers import CachedCausalLM, ComputeGate
 from ..integrations.transformers.causal_lm import Sequence, _check_tokens
-from ..integrations.transformers.prefix_cache import KVBuffers
+from ..integrations.transformers.prefix_cache import KVBuffers, PrefixCache
 
 __all__ = ["OracleLM", "StoppableClock"]
 
@@ -135,15 +135,14 @@ class OracleSequence(Sequence):
         return await super().prefill()
 
     def _prepare(self) -> Any:
-        """The model's cache with the prefix already in place."""
+        """The model's cache with the prefix already in its buffer (the engine's own memory)."""
         buffers = self._live()
         ps = self.oracle.page_size
         for i, key in enumerate(self._keys):
             buffers.data[:, :, 0, :, i * ps : (i + 1) * ps].copy_(self.oracle._pages[key])
-        return self._model_cache(lazy=False)
-
-    def _restore_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        return None  # _prepare filled every layer already
+        lm = self.lm
+        return PrefixCache(lm.model.config, buffers, lm.spec.num_layers, restored=self.cached_tokens,
+                           restore=_in_place, segments=lm.segments, lazy=False)
 
     async def store(self) -> None:
         """Keep the full pages computed so far (clock stopped, gate held)."""
@@ -166,3 +165,7 @@ class OracleSequence(Sequence):
             if keys[i] not in self.oracle._pages:
                 self.oracle._pages[keys[i]] = buffers.data[:, :, 0, :, i * ps : (i + 1) * ps].clone()
         self._kept = end
+
+
+def _in_place(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """The oracle's prefix is in the buffer already (put there with the clock stopped)."""

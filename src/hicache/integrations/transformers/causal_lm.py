@@ -23,7 +23,7 @@ import inspect
 import time
 from collections.abc import AsyncIterator, Mapping
 from collections.abc import Sequence as Seq
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,8 @@ import anyio.from_thread
 import anyio.to_thread
 import torch
 
-from ...errors import InvalidRequestError, InvalidTokensError
+from ...errors import InvalidRequestError, InvalidTokensError, UnsupportedModelError
+from . import attention
 from .gate import ComputeGate
 from .prefix_cache import BufferPool, KVBuffers, PrefixCache, layer_tensors
 from .spec import ModelSpec
@@ -51,7 +52,9 @@ class CachedCausalLM:
     restores every layer before the forward instead of as the forward reaches it.
     ``yield_to_prefills`` (default) makes the cache's backups and storage writes wait while a
     prefill computes (at most ``controller.yield_max_s`` at a time), so they do not compete with it
-    for the cores.
+    for the cores. ``segment_attention`` (default: where it runs, the CPU) attends over the
+    restored prefix where it lies, in the cache's device pages, instead of copying it into the
+    model's cache (``attention.py``); ``False`` copies it and keeps the model's own attention.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class CachedCausalLM:
         gate: ComputeGate | None = None,
         layerwise: bool = True,
         yield_to_prefills: bool = True,
+        segment_attention: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.cache = cache
@@ -77,6 +81,10 @@ class CachedCausalLM:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # 5.x / 4.5x
         self._logits_kw = "logits_to_keep" if "logits_to_keep" in params else None
         self.device = next(model.parameters()).device
+        available = attention.available(self.device)
+        if segment_attention and not available:
+            raise UnsupportedModelError(f"segment attention runs on the CPU only (the model is on {self.device})")
+        self.segments = available if segment_attention is None else segment_attention
         cfg = model.config
         text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
         self.vocab_size: int | None = getattr(text, "vocab_size", None)
@@ -127,7 +135,7 @@ class CachedCausalLM:
         kwargs: dict[str, Any] = {self._cache_kw: kv, "use_cache": True}
         if self._logits_kw is not None:
             kwargs[self._logits_kw] = 1
-        with torch.inference_mode():
+        with torch.inference_mode(), (attention.using_segments(self.model) if self.segments else nullcontext()):
             out = self.model(input_ids=torch.tensor([ids], device=self.device), **kwargs)
         return out.logits[0, -1].float()
 
@@ -241,14 +249,15 @@ class Sequence:
     # -- worker-thread parts ----------------------------------------------------------------------
 
     def _model_cache(self, lazy: bool) -> PrefixCache:
-        """The model's cache for this prompt; the prefix is restored as the forward reaches each layer
-        (``lazy``) or now."""
+        """The model's cache for this prompt; the prefix is put in place as the forward reaches each
+        layer (``lazy``) or now: as views of the device pages (segment attention) or copied in."""
         n = self.cached_tokens
         lm = self.lm
-        return PrefixCache(
-            lm.model.config, self._live(), lm.spec.num_layers, restored=n,
-            restore=self._restore_layer if n > 0 else None, lazy=lazy,
-        )
+        kwargs: dict[str, Any] = {}
+        if n > 0:
+            kwargs = {"prefix": self._prefix_views} if lm.segments else {"restore": self._restore_layer}
+        return PrefixCache(lm.model.config, self._live(), lm.spec.num_layers, restored=n, segments=lm.segments,
+                           lazy=lazy, **kwargs)
 
     def _prefill(self) -> torch.Tensor:
         n = self.cached_tokens
@@ -261,17 +270,35 @@ class Sequence:
         self.stages["prefill_compute"] -= self.stages["restore_wait"] + self.stages["restore_copy"]
         return logits
 
-    def _restore_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy layer ``layer`` of the prefix from the device pages into the model's cache."""
+    def _wait_layer(self, layer: int) -> None:
+        """Block until the load-back has brought ``layer`` of the prefix (timed)."""
         view = self._view
-        pool = self._pool
-        assert view is not None and pool is not None
+        assert view is not None
         if not view.is_layer_ready(layer):
             started = time.perf_counter()
             anyio.from_thread.run(view.wait_layer, layer)  # the load-back is still bringing it
             waited = time.perf_counter() - started
             self.restore_wait_by_layer[layer] += waited
             self.stages["restore_wait"] += waited
+
+    def _prefix_views(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer ``layer`` of the prefix as views ``[1, H, n, D]`` of the device pages, one per run."""
+        self._wait_layer(layer)
+        pool = self._pool
+        assert pool is not None
+        _, _, _, page_size, heads, dim = pool.shape
+        out = []
+        for first, page, pages in self._runs:
+            take = min(pages * page_size, self.cached_tokens - first)
+            k, v = (pool[c, layer, page : page + pages].view(pages * page_size, heads, dim)[:take] for c in (0, 1))
+            out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
+        return out
+
+    def _restore_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy layer ``layer`` of the prefix from the device pages into the model's cache."""
+        self._wait_layer(layer)
+        pool = self._pool
+        assert pool is not None
         started = time.perf_counter()
         _, _, _, page_size, heads, dim = pool.shape
         for first, page, pages in self._runs:

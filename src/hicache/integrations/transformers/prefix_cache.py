@@ -7,10 +7,18 @@ each layer's keys and values live in one buffer sized for the prompt and the exp
 its place, and each step writes only its new tokens. The model attends over views of the filled
 part. A sequence that outgrows its buffer moves that layer to a larger one (doubling).
 
-Layer ``i``'s prefix is restored the first time the forward writes layer ``i`` (``restore``
-callback), so while layer ``i`` computes the load-back keeps bringing layers ``i+1..``. Every
-layer reports the restored length from the start: the model reads it (positions, mask) before
-layer 0 runs.
+The restored prefix reaches the model in one of two ways:
+
+* ``prefix`` (segment mode, on the CPU): not copied at all. Layer ``i`` gets views of the cache's
+  device pages the first time the forward writes layer ``i``, and ``update`` returns ``Segments``
+  (those views and the buffer's own tokens) for ``segment_attention`` (``attention.py``).
+* ``restore`` (copy mode): layer ``i``'s prefix is copied into the buffer the first time the
+  forward writes layer ``i``, and ``update`` returns the buffer's filled part, for any attention.
+
+Either way, while layer ``i`` computes, the load-back keeps bringing layers ``i+1..``. Every layer
+reports the restored length from the start: the model reads it (positions) before layer 0 runs.
+Buffer positions are token positions: the sequence's own tokens sit at their index, also in
+segment mode, where the buffer's first ``restored`` slots stay unused.
 """
 
 from __future__ import annotations
@@ -22,10 +30,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .attention import Segments
+
 __all__ = ["KVBuffers", "BufferPool", "PrefixCache", "layer_tensors"]
 
 #: ``restore(layer, keys, values)`` fills ``keys[..., :n, :]`` and ``values[..., :n, :]`` of one layer
 RestoreLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: ``prefix(layer)``: the views ``[(k, v)]`` (each ``[1, H, n_i, D]``) holding one layer's prefix, in order
+PrefixViews = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 
 _ROUND = 128  # buffer capacities are rounded up to this many tokens, so buffers are reusable
 
@@ -74,13 +86,18 @@ class BufferPool:
 
 
 class _Layer(DynamicLayer):
-    """One layer of a ``PrefixCache``: a view of the filled part of its buffer."""
+    """One layer of a ``PrefixCache``: its buffer, and its prefix (copied in, or views elsewhere)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, restore: Callable[[], None] | None):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, *, restore: Callable[[], None] | None,
+                 prefix: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]] | None, segments: bool):
         super().__init__()
         self._k, self._v = keys, values
         self._len = length
         self._restore = restore
+        self._prefix = prefix
+        self._views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        self._own = length if prefix is not None else 0  # where the buffer's own tokens start
+        self._segments = segments
         self.device = keys.device
         self.is_initialized = True
         self._expose()
@@ -93,10 +110,13 @@ class _Layer(DynamicLayer):
         return None  # the buffer exists from the start
 
     def restore(self) -> None:
-        """Fill the restored prefix now (idempotent)."""
+        """Put the prefix in place now: copy it in, or fetch its views (idempotent)."""
         if self._restore is not None:
             fill, self._restore = self._restore, None
             fill()
+        if self._prefix is not None:
+            fetch, self._prefix = self._prefix, None
+            self._views = tuple(fetch())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         self.restore()
@@ -108,6 +128,9 @@ class _Layer(DynamicLayer):
         self._v[:, :, start:end].copy_(value_states)
         self._len = end
         self._expose()
+        if self._segments:
+            own = slice(self._own, end)
+            return (Segments(self._views, self._k[:, :, own], self._v[:, :, own], key_states.shape[-2]),) * 2
         return self.keys, self.values
 
     def _grow(self, tokens: int) -> None:
@@ -131,8 +154,9 @@ class _Layer(DynamicLayer):
         self._expose()
 
     def reset(self) -> None:
-        self._len = 0
-        self._restore = None
+        self._len = self._own = 0
+        self._restore = self._prefix = None
+        self._views = ()
         self._expose()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -143,27 +167,36 @@ class _Layer(DynamicLayer):
 
 
 class PrefixCache(DynamicCache):
-    """A ``DynamicCache`` over preallocated buffers, whose first ``restored`` tokens come from ``restore``.
+    """A ``DynamicCache`` over preallocated buffers whose first ``restored`` tokens come from elsewhere.
 
-    With ``lazy=False`` every layer is restored before the forward starts.
+    ``restore(layer, k, v)`` copies a layer's prefix into the buffer; ``prefix(layer)`` returns
+    views of it instead (segment mode only). ``segments``: ``update`` returns ``Segments`` for
+    ``segment_attention`` rather than tensors. With ``lazy=False`` every layer's prefix is put in
+    place before the forward starts.
     """
 
     def __init__(self, config: Any, buffers: KVBuffers, num_layers: int, *, restored: int = 0,
-                 restore: RestoreLayer | None = None, lazy: bool = True) -> None:
+                 restore: RestoreLayer | None = None, prefix: PrefixViews | None = None,
+                 segments: bool = False, lazy: bool = True) -> None:
         try:
             super().__init__(config=config)
         except TypeError:  # transformers before 4.56 had no config argument
             super().__init__()
+        if restore is not None and prefix is not None:
+            raise ValueError("give restore (copy the prefix in) or prefix (views of it), not both")
+        if prefix is not None and not segments:
+            raise ValueError("prefix views need segment mode: only segment_attention reads them")
         self.buffers = buffers
         if restored > buffers.capacity:
             raise ValueError(f"{restored} restored tokens do not fit a buffer of {buffers.capacity}")
+        if not (restore or prefix):
+            restored = 0
         layers = []
         for i in range(num_layers):
             k, v = buffers.keys(i), buffers.values(i)
-            fill = None
-            if restored and restore is not None:
-                fill = (lambda i=i, k=k, v=v: restore(i, k, v))
-            layers.append(_Layer(k, v, restored if restore is not None else 0, fill))
+            fill = (lambda i=i, k=k, v=v: restore(i, k, v)) if restore is not None and restored else None
+            views = (lambda i=i: prefix(i)) if prefix is not None and restored else None
+            layers.append(_Layer(k, v, restored, restore=fill, prefix=views, segments=segments))
         self.layers = layers
         if hasattr(self, "layer_class_to_replicate"):
             self.layer_class_to_replicate = None
