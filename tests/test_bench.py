@@ -177,3 +177,19 @@ def test_sequential_runs_one_request_at_a_time(tmp_path: Path) -> None:
     assert plain.driver["max_parallel"] == 3 and plain.max_running == 4
     one = base_spec(build_parser().parse_args(["multiturn", "--max-parallel", "3", "--sequential"]), tmp_path)
     assert one.driver["max_parallel"] == 1 and one.max_running == 1
+
+
+def test_records_of_other_engines_need_only_the_common_fields() -> None:
+    # `hicache bench vllm` (vllm_worker.py) builds records without the hicache engine's timers.
+    import dataclasses
+
+    from hicache.bench.driver import Record
+    from hicache.bench.report import add_oracle_ratios, format_table, summarise
+
+    r = Record(conversation=0, round=0, prompt_tokens=10, cached_tokens=5, ideal_tokens=6, by_tier={"vllm": 5},
+               ttft_s=0.1, queue_s=0.01, prefill_s=0.09, itl_s=[0.01], arrival_s=0.0, finished_s=0.2, output=[1, 2])
+    summaries = {"vllm": summarise([dataclasses.asdict(r)], 1.0)}
+    add_oracle_ratios(summaries)
+    s = summaries["vllm"]
+    assert s["hit_rate"] == 0.5 and math.isnan(s["computed_ideal_hit_rate"]) and math.isnan(s["hit_vs_computed_ideal"])
+    assert "vllm" in format_table(summaries, ["vllm"], base_name="vllm")

@@ -23,7 +23,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -55,18 +55,19 @@ class Record:
     prompt_tokens: int
     cached_tokens: int
     ideal_tokens: int
-    computed_ideal_tokens: int
     by_tier: dict[str, int]
     ttft_s: float
-    ttft_cpu_s: float | None
     queue_s: float
     prefill_s: float
     itl_s: list[float]
     arrival_s: float
     finished_s: float
     output: list[int]
-    stages: dict[str, float]
-    restore_wait_by_layer: list[float]
+    # Optional, so engines measured elsewhere (``vllm_worker``) fill only what they know:
+    computed_ideal_tokens: int | None = None
+    ttft_cpu_s: float | None = None  # CPU seconds of the process from arrival to first token
+    stages: dict[str, float] = field(default_factory=dict)
+    restore_wait_by_layer: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, result: RequestResult, ideal: int, computed_ideal: int) -> Record:

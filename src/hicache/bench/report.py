@@ -40,12 +40,18 @@ def _share(part: float, whole: float) -> float:
     return part / whole if whole else math.nan
 
 
+def _sum_known(records: list[dict[str, Any]], key: str) -> float:
+    """The sum of ``key`` over the records, NaN when none of them has it."""
+    known = [r[key] for r in records if r.get(key) is not None]
+    return sum(known) if known else math.nan
+
+
 def summarise(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """The figures of one configuration's run."""
     prompt = sum(r["prompt_tokens"] for r in records)
     cached = sum(r["cached_tokens"] for r in records)
     ideal = sum(r["ideal_tokens"] for r in records)
-    computed_ideal = sum(r.get("computed_ideal_tokens", 0) for r in records)
+    computed_ideal = _sum_known(records, "computed_ideal_tokens")
     output = sum(len(r["output"]) for r in records)
     start = min((r["arrival_s"] for r in records), default=0.0)
     end = max((r["finished_s"] for r in records), default=0.0)
@@ -67,7 +73,7 @@ def summarise(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
                 "requests": len(rs),
                 "hit_rate": _share(sum(r["cached_tokens"] for r in rs), p),
                 "ideal_hit_rate": _share(sum(r["ideal_tokens"] for r in rs), p),
-                "computed_ideal_hit_rate": _share(sum(r.get("computed_ideal_tokens", 0) for r in rs), p),
+                "computed_ideal_hit_rate": _share(_sum_known(rs, "computed_ideal_tokens"), p),
                 "ttft_mean_s": sum(r["ttft_s"] for r in rs) / len(rs),
             }
         )
