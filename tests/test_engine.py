@@ -277,3 +277,20 @@ async def test_backups_wait_while_a_prefill_holds_the_gate_but_not_forever() -> 
             with anyio.fail_after(5):
                 await cache.wait_idle()
             assert cache.stats().backups == 4
+
+
+async def test_closing_the_cache_while_its_backups_wait_for_a_prefill_loses_nothing(tmp_path) -> None:
+    gate = ComputeGate()
+    tokens = prompt(64, seed=32)
+    async with gate.hold(ComputeGate.PREFILL):  # a prefill that outlives the cache
+        with anyio.fail_after(10):
+            async with HiCache.from_config(lm_config(MODEL, tmp_path / "pages")) as cache:
+                CachedCausalLM(MODEL, cache, gate=gate)
+                await cache.store(tokens, torch.zeros(2, 2, 64, 2, 16))
+                await anyio.sleep(0.05)
+                assert cache.stats().backups == 0  # waiting for the prefill
+        # The shutdown drain still backs the pages up and writes them (after yield_max_s at most).
+        stats = cache.controller.counters
+        assert stats.backups == 4 and stats.storage_backups == 4
+        assert sum(stats.lost_pages.values()) == 0
+        assert_consistent(cache)

@@ -369,7 +369,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
     async def _backup_worker(self, receive: MemoryObjectReceiveStream[BackupJob]) -> None:
         try:
             async for job in receive:
-                await self._yield_to_compute()
+                try:
+                    await self._yield_to_compute()
+                except BaseException:
+                    self._finish_backup(job, None)  # cancelled while waiting: the job ends here
+                    raise
                 await self._run_backups(_with_queued(job, receive, _BACKUP_BATCH))
         finally:
             if self._storage_send is not None:
@@ -444,7 +448,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     async def _storage_worker(self, receive: MemoryObjectReceiveStream[StorageJob]) -> None:
         async for job in receive:
-            await self._yield_to_compute()
+            try:
+                await self._yield_to_compute()
+            except BaseException:
+                self._finish_storage(job, None)  # cancelled while waiting: the pages stay owed
+                raise
             batch = _with_queued(job, receive, _STORAGE_BATCH)
             results: list[bool] | list[None] = [None] * len(batch)  # None: cut off by the shutdown deadline
             try:
