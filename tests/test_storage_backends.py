@@ -256,3 +256,20 @@ async def test_file_fsync_never_still_writes_atomically(tmp_path: Path) -> None:
         out = empty(1)
         assert await b.get([key(0)], out) == 1 and same(out[0], page(0))
         assert not list(tmp_path.rglob("*.tmp"))
+
+
+async def test_file_fsync_always_syncs_every_page_and_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import hicache.tiers.storage.page_files as page_files
+
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(page_files.os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    async with FileBackend(path=str(tmp_path)) as b:  # the default: no fsync
+        assert b.settings.fsync == "never"
+        await b.set([key(0)], [page(0)])
+        assert synced == []
+    async with FileBackend(path=str(tmp_path), fsync="always") as b:
+        await b.set([key(1), key(2)], [page(1), page(2)])
+        out = empty(2)
+        assert await b.get([key(1), key(2)], out) == 2 and same(out[0], page(1)) and same(out[1], page(2))
+    assert len(synced) >= 4  # each page file, and the shard folder it was renamed into

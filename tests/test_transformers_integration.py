@@ -9,7 +9,7 @@ import anyio
 import pytest
 import torch
 
-from hicache import HiCache, InvalidTokensError, UnsupportedModelError
+from hicache import HiCache, InvalidRequestError, InvalidTokensError, UnsupportedModelError
 from hicache.integrations.transformers import CachedCausalLM, ModelSpec, model_fingerprint, model_overrides
 
 from .helpers import assert_consistent
@@ -68,10 +68,11 @@ async def test_a_prefix_restored_from_the_device_gives_the_logits_of_a_full_pref
         assert_consistent(cache)
 
 
-async def test_a_prefix_restored_from_the_host_gives_the_logits_of_a_full_prefill() -> None:
+@pytest.mark.parametrize("segments", [True, False], ids=["segment-attention", "copy-into-model-cache"])
+async def test_a_prefix_restored_from_the_host_gives_the_logits_of_a_full_prefill(segments: bool) -> None:
     tokens = prompt(130, seed=2)
     async with HiCache.from_config(lm_config(MODEL, None, device_pages=8)) as cache:
-        lm = CachedCausalLM(MODEL, cache)
+        lm = CachedCausalLM(MODEL, cache, segment_attention=segments)
         await run(lm, tokens[:100])  # 6 pages
         await cache.wait_idle()  # backed up to the host
         await run(lm, prompt(130, seed=3))  # 8 pages: the first prompt's pages leave the device
@@ -119,7 +120,8 @@ async def test_a_fully_cached_prompt_recomputes_its_last_token() -> None:
         assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
 
 
-async def test_greedy_answers_are_the_same_with_and_without_the_cache(tmp_path: Path) -> None:
+@pytest.mark.parametrize("segments", [True, False], ids=["segment-attention", "copy-into-model-cache"])
+async def test_greedy_answers_are_the_same_with_and_without_the_cache(tmp_path: Path, segments: bool) -> None:
     """A three-turn chat under a cache so small that every turn restores from another tier."""
     config = lm_config(MODEL, tmp_path / "pages", device_pages=6, host_pages=6)
     turns = [prompt(70, seed=s) for s in (10, 11, 12)]
@@ -128,7 +130,7 @@ async def test_greedy_answers_are_the_same_with_and_without_the_cache(tmp_path: 
         history: list[int] = []
         answers[name] = []
         async with HiCache.from_config(config) as cache:
-            lm = CachedCausalLM(MODEL, cache if name == "cache" else None)
+            lm = CachedCausalLM(MODEL, cache if name == "cache" else None, segment_attention=segments)
             for turn in turns:
                 history += turn
                 out, seq = await run(lm, history, new_tokens=4)
@@ -185,3 +187,79 @@ async def test_a_sequence_started_without_lookup_still_reads_the_file_tier(tmp_p
             await seq.prefill()
         assert seq.by_tier["file"] == 96
         assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
+
+
+MODES = pytest.mark.parametrize("segments", [True, False], ids=["segment-attention", "copy-into-model-cache"])
+
+
+@MODES
+async def test_a_prefix_over_scattered_device_pages_is_restored_in_place(segments: bool) -> None:
+    tokens = prompt(140, seed=16)
+    async with HiCache.from_config(lm_config(MODEL, None)) as cache:
+        lm = CachedCausalLM(MODEL, cache, segment_attention=segments)
+        await run(lm, tokens[:64])  # pages 0-3
+        await run(lm, prompt(64, seed=17))  # pages 4-7: the next pages of `tokens` go elsewhere
+        await run(lm, tokens[:129])  # pages 8-11
+        _, seq = await run(lm, tokens)
+        assert seq.cached_tokens == 128 and len(seq._runs) == 2  # two runs of consecutive pages
+        assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
+        assert seq.stages["prefill_compute"] > 0 and seq.stages["retrieve"] > 0
+        assert (seq.stages["restore_copy"] > 0) == (not segments)  # segment attention copies nothing
+
+
+@MODES
+async def test_a_sequence_longer_than_its_model_cache_grows_it(segments: bool) -> None:
+    tokens = prompt(40, seed=18)
+    lm = CachedCausalLM(MODEL, None, segment_attention=segments)
+    async with lm.sequence(tokens, max_new_tokens=1) as seq:  # a buffer of 128 tokens
+        out = [await seq.prefill()]
+        for _ in range(130):
+            out.append(await seq.decode(out[-1]))
+    assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens + out[:-1]), atol=1e-4)
+    with pytest.raises(InvalidRequestError):  # the block has exited: its buffers went back
+        await seq.decode(out[-1])
+
+
+async def test_model_cache_buffers_are_reused_between_sequences() -> None:
+    lm = CachedCausalLM(MODEL, None)
+    for seed in (19, 20):
+        tokens = prompt(50, seed=seed)
+        out, seq = await run(lm, tokens, new_tokens=3)
+        assert out == greedy(MODEL, tokens, 4)
+    assert len(lm.buffers._idle) == 1  # one buffer, taken and given back twice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_a_prefix_restored_on_the_gpu_gives_the_logits_of_a_full_prefill(tmp_path: Path) -> None:
+    model = tiny_model().cuda()
+    tokens = prompt(200, seed=21)
+    base = lm_config(model, tmp_path / "pages", device_pages=8, host_pages=32)
+    page_bytes = base.page_bytes
+    config = lm_config(model, tmp_path / "pages", tiers={
+        "device": {"capacity": 8 * page_bytes, "device": "cuda"},
+        "host": {"capacity": 32 * page_bytes, "pin_memory": True},
+        "storage": [{"kind": "file", "path": str(tmp_path / "pages")}],
+    })
+    async with HiCache.from_config(config) as cache:
+        lm = CachedCausalLM(model, cache)
+        assert cache.device_kv.is_cuda and cache.controller.host.pin_memory
+        await run(lm, tokens[:100])
+        await cache.wait_idle()
+        await run(lm, prompt(130, seed=22))  # 8 pages: the first prompt's pages leave the device
+        await cache.wait_idle()
+        _, seq = await run(lm, tokens)
+        assert seq.by_tier["host"] == 96
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([tokens], device="cuda"), use_cache=False).logits[0, -1].float()
+    assert torch.allclose(seq.logits, expected, atol=1e-4)
+
+
+def test_segment_attention_is_only_switched_on_for_our_own_forwards() -> None:
+    lm = CachedCausalLM(MODEL, None)
+    assert lm.segments  # on the CPU
+    impl = MODEL.config._attn_implementation
+    tokens = prompt(30, seed=23)
+    anyio.run(run, lm, tokens)
+    assert MODEL.config._attn_implementation == impl  # the model is left as it was
+    assert torch.allclose(full_prefill_logits(MODEL, tokens), full_prefill_logits(tiny_model(), tokens))

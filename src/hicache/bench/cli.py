@@ -20,24 +20,38 @@ from pathlib import Path
 from typing import Any
 
 from .models import MODELS
-from .report import check_targets, format_rounds, format_table, outputs_of, plot, summarise
-from .scenarios import CONFIGURATIONS, Sizing
+from .profiling import cpu_pressure
+from .report import (
+    add_oracle_ratios,
+    check_targets,
+    format_activity,
+    format_rounds,
+    format_stages,
+    format_table,
+    outputs_of,
+    plot,
+    summarise,
+)
+from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing
 from .vllm_bench import add_parser as add_vllm_parser
 from .vllm_bench import run_vllm_benchmark
 from .worker import RunSpec
 from .workloads import LongContext, MultiTurn
 
-__all__ = ["main", "run_benchmark"]
+__all__ = ["base_spec", "main", "run_benchmark"]
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("run")
     g.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="model preset (default: smollm2)")
-    g.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated, in run order")
+    g.add_argument("--configs", default=",".join(DEFAULT_CONFIGURATIONS),
+                   help=f"comma-separated, in run order, from {', '.join(CONFIGURATIONS)} (default: %(default)s)")
     g.add_argument("--config", default=None, help="base hicache YAML (default: the packaged config/bench.yaml)")
     g.add_argument("--out", default=None, help="folder for results.json, plot.png and the file tier")
     g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
     g.add_argument("--max-parallel", type=int, default=2, help="requests in flight from the clients")
+    g.add_argument("--sequential", action="store_true",
+                   help="one request at a time (--max-parallel 1 --max-running 1): TTFT without queueing")
     g.add_argument("--max-running", type=int, default=4, help="requests the engine runs at once (token-interleaved)")
     g.add_argument("--ready-queue-policy", choices=["fifo", "random"], default="random")
     g.add_argument("--round-barrier", action="store_true", help="start round k+1 when every client ended round k")
@@ -45,6 +59,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-fraction", type=float, default=0.25, help="device tier / workload KV")
     g.add_argument("--host-fraction", type=float, default=0.5, help="host tier / workload KV")
     g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--no-yield", action="store_true",
+                   help="the cache's backups and storage writes do not wait for prefills (for comparison)")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler in each configuration: its top operators go into results.json")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -88,6 +106,27 @@ def default_config_path() -> str:
     raise FileNotFoundError("config/bench.yaml not found: pass --config")
 
 
+def base_spec(args: argparse.Namespace, out: Path) -> RunSpec:
+    """The settings every configuration of this run shares (``configuration`` left empty)."""
+    max_parallel, max_running = (1, 1) if args.sequential else (args.max_parallel, args.max_running)
+    return RunSpec(
+        benchmark=args.benchmark,
+        workload=_workload(args),
+        configuration="",
+        out_dir=str(out),
+        model=args.model,
+        seed=args.seed,
+        driver=dict(request_rate=args.request_rate, max_parallel=max_parallel,
+                    ready_queue=args.ready_queue_policy, round_barrier=args.round_barrier, seed=args.seed),
+        sizing=dict(device_fraction=args.device_fraction, host_fraction=args.host_fraction),
+        config_path=args.config or default_config_path(),
+        max_running=max_running,
+        progress=not args.quiet,
+        profile=args.profile,
+        yield_to_prefills=not args.no_yield,
+    )
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGURATIONS]
@@ -97,20 +136,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("warm-restart reuses the file tier that hierarchical leaves: run hierarchical before it")
     out = Path(args.out or f"bench-results/{args.benchmark}-{args.model}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    base = RunSpec(
-        benchmark=args.benchmark,
-        workload=_workload(args),
-        configuration="",
-        out_dir=str(out),
-        model=args.model,
-        seed=args.seed,
-        driver=dict(request_rate=args.request_rate, max_parallel=args.max_parallel,
-                    ready_queue=args.ready_queue_policy, round_barrier=args.round_barrier, seed=args.seed),
-        sizing=dict(device_fraction=args.device_fraction, host_fraction=args.host_fraction),
-        config_path=args.config or default_config_path(),
-        max_running=args.max_running,
-        progress=not args.quiet,
-    )
+    base = base_spec(args, out)
     workload = base.make_workload()
     print(f"hicache bench {args.benchmark}: model {args.model} ({MODELS[args.model].description})", file=sys.stderr)
     print(f"  workload {workload}; {workload.requests} requests, {workload.kv_tokens():,} tokens of KV", file=sys.stderr)
@@ -119,6 +145,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         spec = RunSpec(**{**asdict(base), "configuration": name})
         results[name] = _run_worker(spec)
     summaries = {name: summarise(r["records"], r["wall_s"]) for name, r in results.items()}
+    add_oracle_ratios(summaries)
+    for name, r in results.items():
+        summaries[name]["cpu_pressure"] = {"before": r["machine"]["cpu_pressure_before"],
+                                           "after": r["machine"]["cpu_pressure_after"]}
     reference = outputs_of(results[configs[0]]["records"])
     for name, r in results.items():
         mine = outputs_of(r["records"])
@@ -132,7 +162,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "max_running": base.max_running,
         "sizing": asdict(Sizing(**base.sizing)),
         "kv_tokens": workload.kv_tokens(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "cpu_pressure_at_end": cpu_pressure()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "summary": summaries,
         "targets": check_targets(summaries),
@@ -141,6 +172,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     (out / "results.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
     print(format_table(summaries, tiers))
     print()
+    pressure = ", ".join(
+        f"{n} {_avg60(s['cpu_pressure']['before'])}-{_avg60(s['cpu_pressure']['after'])}" for n, s in summaries.items()
+    )
+    print(f"CPU pressure (/proc/pressure/cpu some avg60, %, at start-end of each): {pressure}")
+    print()
+    print("where the time goes (mean ms per request; `other`: TTFT no stage timer covers):")
+    print(format_stages(summaries))
+    print()
+    if args.profile:
+        print("traced work (--profile):")
+        print(format_activity(results))
+        print()
     print("hit rate per round:")
     print(format_rounds(summaries))
     for name, s in summaries.items():
@@ -158,6 +201,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     else:
         print(f"\nwrote {out / 'results.json'}")
     return report
+
+
+def _avg60(p: dict[str, float] | None) -> str:
+    return "?" if not p else f"{p.get('avg60', float('nan')):.0f}"
 
 
 def _tier_order(name: str) -> tuple[int, str]:

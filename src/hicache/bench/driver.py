@@ -6,8 +6,15 @@ when infinite) once fewer than ``max_parallel`` requests are in flight, taking t
 (``fifo``) or a random one (``random``). When a reply arrives, the conversation's next turn is
 ready (with ``round_barrier``, only once every conversation has finished that round).
 
-Each request also gets its *ideal* cached length: the longest prefix it shares with a prompt or
-answer seen before it was sent, i.e. what a cache with unlimited capacity could have served.
+Each request also gets two *ideal* cached lengths:
+
+* ``ideal_tokens``: the longest prefix it shares with a prompt or answer seen before it was sent
+  (the tokens an unlimited cache has *seen*). It counts the last answer token of an earlier turn,
+  whose KV no engine computes (it is the last output, never fed back), and partial pages.
+* ``computed_ideal_tokens``: the longest prefix whose KV was computed before (earlier prompts,
+  and earlier answers but their last token), in whole pages of ``page_size``, and at most
+  ``len(prompt) - 1`` (one token is always computed, to have logits): what a page-granular cache
+  of unlimited capacity can serve, so ``cached / computed ideal`` reaches 1.0.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
@@ -36,6 +43,7 @@ class DriverSettings:
     ready_queue: Literal["fifo", "random"] = "fifo"
     round_barrier: bool = False
     seed: int = 0
+    page_size: int = 1  # the cache's page size, for the page-aligned computed ideal
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,14 @@ class Record:
     arrival_s: float
     finished_s: float
     output: list[int]
+    # Optional, so engines measured elsewhere (``vllm_worker``) fill only what they know:
+    computed_ideal_tokens: int | None = None
+    ttft_cpu_s: float | None = None  # CPU seconds of the process from arrival to first token
+    stages: dict[str, float] = field(default_factory=dict)
+    restore_wait_by_layer: list[float] = field(default_factory=list)
 
     @classmethod
-    def of(cls, result: RequestResult, ideal: int) -> Record:
+    def of(cls, result: RequestResult, ideal: int, computed_ideal: int) -> Record:
         tags = result.request.tags
         return cls(
             conversation=tags["conversation"],
@@ -65,14 +78,18 @@ class Record:
             prompt_tokens=result.prompt_tokens,
             cached_tokens=result.cached_tokens,
             ideal_tokens=ideal,
+            computed_ideal_tokens=computed_ideal,
             by_tier=dict(result.by_tier),
             ttft_s=result.ttft_s,
+            ttft_cpu_s=result.ttft_cpu_s,
             queue_s=result.queue_s,
             prefill_s=result.prefill_s,
             itl_s=list(result.itl_s),
             arrival_s=result.arrival_s,
             finished_s=result.finished_s,
             output=list(result.output),
+            stages=dict(result.stages),
+            restore_wait_by_layer=list(result.restore_wait_by_layer),
         )
 
 
@@ -110,11 +127,12 @@ async def drive(
     in_round = Counter(r for c in conversations for r in c.rounds)  # requests left per round
     slots = anyio.Semaphore(settings.max_parallel)
     changed = anyio.Event()
-    seen = _Seen()
+    seen = _Seen()  # prompts and answers sent or received
+    computed = _Seen()  # tokens whose KV was computed: prompts, and answers but their last token
     records: list[Record] = []
     remaining = sum(len(c.chunks) for c in conversations)
 
-    async def send(conv: Conversation, prompt: list[int], ideal: int) -> None:
+    async def send(conv: Conversation, prompt: list[int], ideal: int, computed_ideal: int) -> None:
         nonlocal changed, remaining
         round_ = conv.rounds[conv.turn]
         try:
@@ -124,7 +142,8 @@ async def drive(
             slots.release()
         output = list(result.output)
         seen.add(prompt + output)
-        record = Record.of(result, ideal)
+        computed.add(prompt + output[:-1])
+        record = Record.of(result, ideal, computed_ideal)
         records.append(record)
         if on_done is not None:
             on_done(record)
@@ -151,7 +170,10 @@ async def drive(
             conv = ready.pop(rng.randrange(len(ready)) if settings.ready_queue == "random" else 0)
             prompt = conv.next_prompt()
             ideal = seen.longest_prefix(prompt)
+            ps = settings.page_size
+            computed_ideal = min(computed.longest_prefix(prompt) // ps * ps, len(prompt) - 1)
             seen.add(prompt)
+            computed.add(prompt)
             sent += 1
-            tg.start_soon(send, conv, prompt, ideal)
+            tg.start_soon(send, conv, prompt, ideal, computed_ideal)
     return records

@@ -1,7 +1,10 @@
 """The configurations every benchmark compares, on the same trace.
 
 * ``no-cache``: every prompt is prefilled in full.
+* ``oracle``: no cache; each request starts from the longest page-aligned prefix whose KV was
+  computed earlier in the run, put in place while the clock is stopped (``oracle.py``): the limit.
 * ``device-only``: the device tier alone (no host, no storage): the RadixAttention baseline.
+* ``memory``: device + host tiers, no storage.
 * ``hierarchical``: device + host + file tier.
 * ``warm-restart``: ``hierarchical``'s config in a fresh process that finds only the file tier
   the ``hierarchical`` run left.
@@ -19,9 +22,11 @@ from typing import Any
 from ..config import HiCacheConfig, load_config
 from ..integrations.transformers import model_overrides
 
-__all__ = ["CONFIGURATIONS", "Sizing", "cache_config", "device_tokens"]
+__all__ = ["CONFIGURATIONS", "DEFAULT_CONFIGURATIONS", "UNCACHED", "Sizing", "cache_config", "device_tokens"]
 
-CONFIGURATIONS = ("no-cache", "device-only", "hierarchical", "warm-restart")
+CONFIGURATIONS = ("no-cache", "oracle", "device-only", "memory", "hierarchical", "warm-restart")
+DEFAULT_CONFIGURATIONS = ("no-cache", "oracle", "device-only", "hierarchical", "warm-restart")
+UNCACHED = ("no-cache", "oracle")  # configurations without hicache
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ def cache_config(
     """The cache config of configuration ``name`` for a workload computing ``kv_tokens`` of KV."""
     if name not in CONFIGURATIONS:
         raise ValueError(f"unknown configuration {name!r}; choose from {', '.join(CONFIGURATIONS)}")
-    if name == "no-cache":
+    if name in UNCACHED:
         return None
     env = {"HICACHE_BENCH_PAGES": pages_dir}
     probe = load_config(base, overrides=model_overrides(model, fingerprint=False), env=env)
@@ -54,6 +59,8 @@ def cache_config(
     tiers: dict[str, Any] = {"device": {"capacity": pages(sizing.device_fraction)}}
     if name == "device-only":
         tiers |= {"host": {"capacity": 0}, "storage": []}
+    elif name == "memory":
+        tiers |= {"host": {"capacity": pages(sizing.host_fraction)}, "storage": []}
     else:
         storage = [dict(t.model_dump(mode="json", exclude_none=True)) for t in probe.tiers.storage]
         for tier in storage:

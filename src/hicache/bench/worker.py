@@ -29,6 +29,8 @@ from ..engine import Engine
 from ..integrations.transformers import CachedCausalLM
 from .driver import DriverSettings, drive
 from .models import load_model
+from .oracle import OracleLM
+from .profiling import ActivityTrace, cpu_pressure, install_trace, process_times, thread_times, torch_profile
 from .scenarios import Sizing, cache_config, device_tokens
 from .workloads import LongContext, MultiTurn
 
@@ -50,6 +52,8 @@ class RunSpec:
     config_path: str | None = None
     max_running: int = 4
     progress: bool = True
+    profile: bool = False  # torch.profiler over the run: the top operators go into the result
+    yield_to_prefills: bool = True  # the cache's background work waits while a prefill computes
 
     def make_workload(self) -> MultiTurn | LongContext:
         kind = MultiTurn if self.benchmark == "multiturn" else LongContext
@@ -84,28 +88,51 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
     page_size = load_config(spec.config_path, env={"HICACHE_BENCH_PAGES": spec.pages_dir}).page_size
     kv_budget = device_tokens(workload.kv_tokens(), Sizing(**spec.sizing), page_size)
     _warm_up(model, vocab)
-    driver = DriverSettings(**spec.driver)
+    driver = DriverSettings(**{**spec.driver, "page_size": page_size})
     bar = _progress(spec, workload.requests)
 
     def on_done(record: Any) -> None:
         if bar is not None:
             bar.update(1)
 
+    oracle: OracleLM | None = None
+
     async def serve(cache: HiCache | None) -> tuple[list[Any], float]:
-        lm = CachedCausalLM(model, cache)
+        nonlocal oracle
+        if spec.configuration == "oracle":
+            oracle = OracleLM(model, page_size)
+            lm: Any = oracle
+            clock, cpu_clock = oracle.clock, oracle.cpu_clock
+        else:
+            lm = CachedCausalLM(model, cache, yield_to_prefills=spec.yield_to_prefills)
+            clock, cpu_clock = time.monotonic, time.process_time
         started = time.perf_counter()
-        async with Engine(lm, max_running=spec.max_running, max_kv_tokens=kv_budget) as engine:
+        async with Engine(lm, max_running=spec.max_running, max_kv_tokens=kv_budget, clock=clock,
+                          cpu_clock=cpu_clock) as engine:
             records = await drive(engine, conversations, driver, on_done)
         return records, time.perf_counter() - started
 
     stats: Any = None
-    if config is None:
-        records, wall = await serve(None)
-    else:
-        async with HiCache.from_config(config) as cache:
-            records, wall = await serve(cache)
-            await cache.wait_idle()  # every backup lands in the file tier before the process ends
-            stats = cache.stats()
+    machine: dict[str, Any] = {
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "cpu_pressure_before": cpu_pressure(),
+    }
+    trace = ActivityTrace()
+    if spec.profile:
+        install_trace(trace)
+    times = process_times()
+    with torch_profile(spec.profile) as profile:
+        if config is None:
+            records, wall = await serve(None)
+        else:
+            async with HiCache.from_config(config) as cache:
+                records, wall = await serve(cache)
+                await cache.wait_idle()  # every backup lands in the file tier before the process ends
+                stats = cache.stats()
+    machine["cpu_pressure_after"] = cpu_pressure()
+    machine["thread_cpu_s"] = thread_times()
+    machine["process_cpu_s"] = {k: v - times[k] for k, v in process_times().items()}
     if bar is not None:
         bar.close()
     return {
@@ -114,6 +141,9 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
         "records": [dataclasses.asdict(r) for r in records],
         "cache_config": None if config is None else config.model_dump(mode="json"),
         "cache_stats": _jsonable(stats),
+        "machine": machine,
+        "oracle": None if oracle is None else {"kept_bytes": oracle.kept_bytes, "clock_stopped_s": oracle.clock.stopped_s},
+        "profile": {"torch": profile.result, "activity": trace.summary()} if spec.profile else None,
     }
 
 

@@ -132,6 +132,12 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.residency = Residency(write_policy, has_host=host.num_pages > 0, storage=self.storage)
         self.chain = StorageChain(self)
         self.failure: WorkerFailedError | None = None
+        # Set by an engine that knows when it computes (CachedCausalLM: its ComputeGate's
+        # wait_no_prefill): backups and storage writes wait for it, at most yield_max_s each time,
+        # so they run between prefills and batch what queued meanwhile. Load-backs, prefetches
+        # and spills never wait: a request is waiting for them.
+        self.yield_to_compute: Callable[[], Awaitable[None]] | None = None
+        self.yield_max_s = 1.0
         self._open = False
         self._closed = False
         # Created on entry: anyio primitives need a running event loop.
@@ -382,9 +388,21 @@ class CacheController(anyio.AsyncContextManagerMixin):
         """What a call finding a worker's queue closed raises: never an anyio type."""
         return self.failure or CacheClosedError("the cache is closing: no new background work is accepted")
 
+    async def _yield_to_compute(self) -> None:
+        """Let the engine's prefill finish first (bounded; not while shutting down)."""
+        wait = self.yield_to_compute
+        if wait is not None and self._open:
+            with anyio.move_on_after(self.yield_max_s):
+                await wait()
+
     async def _backup_worker(self, receive: MemoryObjectReceiveStream[BackupJob]) -> None:
         try:
             async for job in receive:
+                try:
+                    await self._yield_to_compute()
+                except BaseException:
+                    self._finish_backup(job, None)  # cancelled while waiting: the job ends here
+                    raise
                 await self._run_backups(_with_queued(job, receive, _BACKUP_BATCH))
         finally:
             if self._storage_send is not None:
@@ -459,6 +477,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     async def _storage_worker(self, receive: MemoryObjectReceiveStream[StorageJob]) -> None:
         async for job in receive:
+            try:
+                await self._yield_to_compute()
+            except BaseException:
+                self._finish_storage(job, None)  # cancelled while waiting: the pages stay owed
+                raise
             batch = _with_queued(job, receive, _STORAGE_BATCH)
             results: list[bool | None] = [None] * len(batch)  # None: cut off by the shutdown deadline
             try:

@@ -10,6 +10,11 @@ request alone is always admitted), then prefilled and decoded. Running requests 
 token granularity; the model computes in a worker thread, one step at a time and prefills first,
 while the event loop keeps serving the cache and the other requests.
 
+Every ``RequestResult`` carries the seconds of each stage (``stages``: the lookup and the
+sequence's own timers). Times come from ``clock`` (``time.monotonic``); with ``cpu_clock``
+(``time.process_time``) each result also has ``ttft_cpu_s``, the CPU seconds the process spent
+from the request's arrival to its first token, which a busy shared machine does not inflate.
+
 Leaving the block stops admission and drains what was submitted, for at most
 ``shutdown_timeout_s``; what is left then is cancelled. A request that fails fails alone: its
 ``result()`` raises, the engine keeps serving.
@@ -58,6 +63,8 @@ class RequestHandle:
         self.request = request
         self.arrival_s = arrival_s
         self.hit: Hit | None = None
+        self.lookup_s = 0.0
+        self.arrival_cpu_s: float | None = None
         self._scope = anyio.CancelScope()
         self._done = anyio.Event()
         self._result: RequestResult | None = None
@@ -99,6 +106,8 @@ class Engine(anyio.AsyncContextManagerMixin):
         shutdown_timeout_s: float = 30.0,
         store_prompt: bool = True,
         on_result: Callable[[RequestResult], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] | None = None,
     ) -> None:
         if max_running < 1 or max_waiting < 1:
             raise ValueError("max_running and max_waiting must be >= 1")
@@ -119,11 +128,13 @@ class Engine(anyio.AsyncContextManagerMixin):
         self._open = False
         self._live: set[RequestHandle] = set()
         self._counts = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "running": 0}
-        self._t0 = time.monotonic()
+        self._clock = clock  # a benchmark's oracle stops it while it sets up a request's KV
+        self._cpu_clock = cpu_clock  # e.g. time.process_time: TTFT in CPU seconds too
+        self._t0 = clock()
 
     def now(self) -> float:
         """Seconds since the engine was made (the clock of every ``RequestResult``)."""
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[Engine]:
@@ -165,9 +176,13 @@ class Engine(anyio.AsyncContextManagerMixin):
         if len(self._live) - self._counts["running"] >= self.max_waiting:
             raise EngineOverloadedError(f"{self.max_waiting} requests are waiting already")
         handle = RequestHandle(request, self.now())
+        if self._cpu_clock is not None:
+            handle.arrival_cpu_s = self._cpu_clock()
         self._live.add(handle)
         try:
+            started = time.perf_counter()
             handle.hit = await self.lm.lookup(request.tokens)
+            handle.lookup_s = time.perf_counter() - started
             self._send.send_nowait(handle)
             self._counts["submitted"] += 1
         except BaseException as exc:
@@ -249,9 +264,12 @@ class Engine(anyio.AsyncContextManagerMixin):
         request = handle.request
         admitted = self.now()
         times: list[float] = []
-        async with self.lm.sequence(request.tokens) as seq:
+        ttft_cpu: float | None = None
+        async with self.lm.sequence(request.tokens, max_new_tokens=request.max_new_tokens) as seq:
             token = await seq.prefill()
             times.append(self.now())
+            if self._cpu_clock is not None and handle.arrival_cpu_s is not None:
+                ttft_cpu = self._cpu_clock() - handle.arrival_cpu_s
             output = [token]
             if self.store_prompt:
                 await seq.store()
@@ -268,6 +286,9 @@ class Engine(anyio.AsyncContextManagerMixin):
             prompt_tokens=seq.prompt_tokens,
             cached_tokens=seq.cached_tokens,
             by_tier=MappingProxyType(dict(seq.by_tier)),
+            stages=MappingProxyType({"lookup": handle.lookup_s} | dict(seq.stages)),
+            restore_wait_by_layer=tuple(seq.restore_wait_by_layer),
+            ttft_cpu_s=ttft_cpu,
         )
 
     def _end(self, handle: RequestHandle, result: RequestResult | None, error: BaseException | None) -> None:

@@ -39,6 +39,9 @@ class RequestResult:
 
     ``token_times[i]`` is when output token ``i`` was ready; ``by_tier`` says where the
     ``cached_tokens`` of the prompt came from (``device``, ``host``, storage tier names).
+    ``stages`` are the seconds the request spent in each stage (``lookup`` and the sequence's
+    ``Sequence.STAGES``); ``restore_wait_by_layer`` the seconds its prefill waited for each
+    layer's load-back.
     """
 
     request: Request
@@ -49,6 +52,9 @@ class RequestResult:
     prompt_tokens: int
     cached_tokens: int
     by_tier: Mapping[str, int]
+    stages: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    restore_wait_by_layer: tuple[float, ...] = ()
+    ttft_cpu_s: float | None = None  # CPU seconds of the process from arrival to first token (with a cpu_clock)
 
     @property
     def ttft_s(self) -> float:

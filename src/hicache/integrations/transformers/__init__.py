@@ -17,6 +17,7 @@ comes from its config (``model_overrides``), so YAML does not repeat it.
 
 from .causal_lm import CachedCausalLM, Sequence
 from .gate import ComputeGate
+from .prefix_cache import PrefixCache
 from .spec import ModelSpec, model_fingerprint, model_overrides
 
-__all__ = ["CachedCausalLM", "Sequence", "ComputeGate", "ModelSpec", "model_fingerprint", "model_overrides"]
+__all__ = ["CachedCausalLM", "Sequence", "ComputeGate", "PrefixCache", "ModelSpec", "model_fingerprint", "model_overrides"]

@@ -9,15 +9,21 @@ The flow an engine follows (and what ``hicache.engine`` does):
 4. ``store()`` / leaving the block: the new full pages go into hicache for the next request.
 
 Model compute runs in worker threads, one step at a time through a ``ComputeGate`` (prefills
-first), so the event loop keeps serving the cache (prefetch, backup, load-back) meanwhile.
+first), so the event loop keeps serving the cache (prefetch, backup, load-back) meanwhile. The
+model's cache is a ``PrefixCache``: buffers preallocated for the prompt and the expected output
+(reused between sequences), into which the prefix is copied once, straight from the cache's
+device pages, and each step writes its new tokens in place.
+
+Each ``Sequence`` times its stages (``Sequence.stages``, seconds), for benchmarks and profiles.
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import AsyncIterator, Mapping
 from collections.abc import Sequence as Seq
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, nullcontext
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +32,10 @@ import anyio.from_thread
 import anyio.to_thread
 import torch
 
-from ...errors import InvalidRequestError, InvalidTokensError
+from ...errors import InvalidRequestError, InvalidTokensError, UnsupportedModelError
+from . import attention
 from .gate import ComputeGate
-from .restoring_cache import RestoringCache, layer_tensors
+from .prefix_cache import BufferPool, KVBuffers, PrefixCache, layer_tensors
 from .spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -43,6 +50,11 @@ class CachedCausalLM:
 
     ``cache=None`` gives the same API without caching (the no-cache baseline). ``layerwise=False``
     restores every layer before the forward instead of as the forward reaches it.
+    ``yield_to_prefills`` (default) makes the cache's backups and storage writes wait while a
+    prefill computes (at most ``controller.yield_max_s`` at a time), so they do not compete with it
+    for the cores. ``segment_attention`` (default: where it runs, the CPU) attends over the
+    restored prefix where it lies, in the cache's device pages, instead of copying it into the
+    model's cache (``attention.py``); ``False`` copies it and keeps the model's own attention.
     """
 
     def __init__(
@@ -52,6 +64,8 @@ class CachedCausalLM:
         *,
         gate: ComputeGate | None = None,
         layerwise: bool = True,
+        yield_to_prefills: bool = True,
+        segment_attention: bool | None = None,
     ) -> None:
         self.model = model.eval()
         self.cache = cache
@@ -59,35 +73,60 @@ class CachedCausalLM:
         if cache is not None:
             self.spec.check(cache.config)
         self.gate = gate if gate is not None else ComputeGate()
+        if cache is not None and yield_to_prefills:
+            # The cache's backups and storage writes wait while a prefill computes (bounded).
+            cache.controller.yield_to_compute = self.gate.wait_no_prefill
         self.layerwise = layerwise
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # 5.x / 4.5x
         self._logits_kw = "logits_to_keep" if "logits_to_keep" in params else None
         self.device = next(model.parameters()).device
+        available = attention.available(self.device)
+        if segment_attention and not available:
+            raise UnsupportedModelError(f"segment attention runs on the CPU only (the model is on {self.device})")
+        self.segments = available if segment_attention is None else segment_attention
         cfg = model.config
         text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
         self.vocab_size: int | None = getattr(text, "vocab_size", None)
+        spec = self.spec
+        self.buffers = BufferPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, self.device)
 
     async def lookup(self, tokens: Seq[int]) -> Hit | None:
         """Ask the cache how much of ``tokens`` it holds; starts a prefetch from storage if worth it."""
         return None if self.cache is None else await self.cache.lookup(tokens)
 
     @asynccontextmanager
-    async def sequence(self, tokens: Seq[int], *, store: bool = True) -> AsyncIterator[Sequence]:
+    async def sequence(
+        self, tokens: Seq[int], *, store: bool = True, max_new_tokens: int = 64
+    ) -> AsyncIterator[Sequence]:
         """A generation over ``tokens``; the cached prefix stays leased until the block exits.
 
         On a normal exit, with ``store=True``, the new full pages of every token whose KV was
         computed are stored. An error or cancellation skips that (the lease is released either way).
+        ``max_new_tokens`` sizes the model's cache (it grows if the sequence goes beyond).
         """
         prompt = _check_tokens(tokens, self.vocab_size)
-        if self.cache is None:
-            yield Sequence(self, prompt, None)
-            return
-        async with self.cache.retrieve(prompt) as view:
-            seq = Sequence(self, prompt, view)
-            yield seq
-            if store:
-                await seq.store()
+        buffers = self.buffers.take(len(prompt) + max(0, max_new_tokens))
+        try:
+            if self.cache is None:
+                seq = Sequence(self, prompt, None, buffers)
+                try:
+                    yield seq
+                finally:
+                    seq.close()
+                return
+            started = time.perf_counter()
+            async with self.cache.retrieve(prompt) as view:
+                seq = Sequence(self, prompt, view, buffers)
+                seq.stages["retrieve"] = time.perf_counter() - started
+                try:
+                    yield seq
+                    if store:
+                        await seq.store()
+                finally:
+                    seq.close()
+        finally:
+            self.buffers.give_back(buffers)
 
     # -- compute (worker threads) ----------------------------------------------------------------
 
@@ -96,7 +135,7 @@ class CachedCausalLM:
         kwargs: dict[str, Any] = {self._cache_kw: kv, "use_cache": True}
         if self._logits_kw is not None:
             kwargs[self._logits_kw] = 1
-        with torch.inference_mode():
+        with torch.inference_mode(), (attention.using_segments(self.model) if self.segments else nullcontext()):
             out = self.model(input_ids=torch.tensor([ids], device=self.device), **kwargs)
         return out.logits[0, -1].float()
 
@@ -105,28 +144,56 @@ class Sequence:
     """One request's tokens and model cache; made by ``CachedCausalLM.sequence``.
 
     ``tokens`` grows as ``decode`` is called; ``cached_tokens`` and ``by_tier`` say how much of the
-    prompt was restored and from which tier; ``logits`` are the last step's.
+    prompt was restored and from which tier; ``logits`` are the last step's. ``stages`` holds the
+    seconds spent in each stage so far (``STAGES``); ``restore_wait_by_layer`` the seconds the
+    forward waited for each layer's load-back.
     """
 
-    def __init__(self, lm: CachedCausalLM, prompt: list[int], view: RetrieveView | None) -> None:
+    #: the stages ``stages`` times, in the order a request meets them
+    STAGES = (
+        "retrieve",  # entering cache.retrieve: prefetch wait, device pages, queueing the load-back
+        "prefill_gate",  # waiting for the ComputeGate before the prefill
+        "prefill_hop",  # thread hops: to the worker thread and back
+        "restore_wait",  # the forward waiting for load-back layers (all layers)
+        "restore_copy",  # copying the prefix from device pages into the model's cache
+        "prefill_compute",  # the forward itself
+        "store_gate", "export", "store",  # copying new pages out of the model, then cache.store
+        "decode_gate", "decode_hop", "decode_compute",
+    )
+
+    def __init__(self, lm: CachedCausalLM, prompt: list[int], view: RetrieveView | None, buffers: KVBuffers) -> None:
         self.lm = lm
         self.tokens = prompt
         self.prompt_tokens = len(prompt)
         self._view = view
+        self._buffers: KVBuffers | None = buffers
         # At least one prompt token is computed, to have logits: a fully cached prompt recomputes its last.
         self.cached_tokens = min(view.tokens, len(prompt) - 1) if view is not None else 0
         self.by_tier: Mapping[str, int] = MappingProxyType(dict(view.by_tier) if view is not None else {})
         self.logits: torch.Tensor | None = None
+        self.stages: dict[str, float] = dict.fromkeys(self.STAGES, 0.0)
+        self.restore_wait_by_layer: list[float] = [0.0] * lm.spec.num_layers
         self._kv: Any = None
         self._computed = 0  # tokens whose KV is in self._kv
         self._stored = view.tokens if view is not None else 0  # tokens (whole pages) the cache has from us
+        self._pool: torch.Tensor | None = None
+        self._runs: list[tuple[int, int, int]] = []  # (first token, first device page, pages) of the prefix
+        if view is not None and self.cached_tokens > 0:
+            assert lm.cache is not None
+            self._pool = lm.cache.device_kv
+            self._runs = _runs(view.device_pages, lm.cache.page_size, self.cached_tokens)
+
+    def close(self) -> None:
+        """The model cache's buffers go back to the pool: the sequence cannot step any more."""
+        self._buffers = None
+        self._kv = None
 
     async def prefill(self) -> int:
         """Restore the cached prefix, compute the rest of the prompt; return the first greedy token."""
-        if self._kv is not None:
+        if self._computed:
             raise InvalidRequestError("prefill() was called already for this sequence")
-        async with self.lm.gate.hold(ComputeGate.PREFILL):
-            logits = await anyio.to_thread.run_sync(self._prefill)
+        self._live()
+        logits = await self._compute(ComputeGate.PREFILL, "prefill", self._prefill)
         self.logits = logits
         return int(logits.argmax())
 
@@ -136,8 +203,7 @@ class Sequence:
             raise InvalidRequestError("decode() needs prefill() first")
         (token,) = _check_tokens([token], self.lm.vocab_size)
         self.tokens.append(token)
-        async with self.lm.gate.hold(ComputeGate.DECODE):
-            logits = await anyio.to_thread.run_sync(self._step, int(token))
+        logits = await self._compute(ComputeGate.DECODE, "decode", self._step, int(token))
         self.logits = logits
         return int(logits.argmax())
 
@@ -150,34 +216,100 @@ class Sequence:
         if end <= self._stored:
             return None
         start = self._stored
-        async with self.lm.gate.hold(ComputeGate.DECODE):
-            kv = await anyio.to_thread.run_sync(self._export, start, end)
+        kv = await self._compute(ComputeGate.DECODE, "store", self._export, start, end)
         self._stored = end
-        return await cache.store(self.tokens[:end], kv, start=start)
+        started = time.perf_counter()
+        try:
+            return await cache.store(self.tokens[:end], kv, start=start)
+        finally:
+            self.stages["store"] += time.perf_counter() - started
+
+    async def _compute(self, priority: int, stage: str, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread while holding the gate, timed as ``stage``'s parts."""
+        stages = self.stages
+        asked = time.perf_counter()
+        async with self.lm.gate.hold(priority):
+            held = time.perf_counter()
+            stages[f"{stage}_gate"] += held - asked
+            out, began, ended = await anyio.to_thread.run_sync(_timed, fn, args)
+            back = time.perf_counter()
+        hop = (began - held) + (back - ended)
+        if stage == "store":
+            stages["export"] += ended - began + hop
+        else:
+            stages[f"{stage}_hop"] += hop
+            stages[f"{stage}_compute"] += ended - began
+        return out
+
+    def _live(self) -> KVBuffers:
+        if self._buffers is None:
+            raise InvalidRequestError("this sequence's block has exited")
+        return self._buffers
 
     # -- worker-thread parts ----------------------------------------------------------------------
 
+    def _model_cache(self, lazy: bool) -> PrefixCache:
+        """The model's cache for this prompt; the prefix is put in place as the forward reaches each
+        layer (``lazy``) or now: as views of the device pages (segment attention) or copied in."""
+        n = self.cached_tokens
+        lm = self.lm
+        kwargs: dict[str, Any] = {}
+        if n > 0:
+            kwargs = {"prefix": self._prefix_views} if lm.segments else {"restore": self._restore_layer}
+        return PrefixCache(lm.model.config, self._live(), lm.spec.num_layers, restored=n, segments=lm.segments,
+                           lazy=lazy, **kwargs)
+
     def _prefill(self) -> torch.Tensor:
         n = self.cached_tokens
-        fetch = self._fetch_layer if n > 0 else None
         lm = self.lm
-        kv = RestoringCache(lm.model.config, fetch, lm.spec.num_layers, lazy=lm.layerwise)
+        kv = self._kv if self._kv is not None else self._model_cache(lm.layerwise)
         logits = lm.forward(self.tokens[n:], kv)
         self._kv = kv
         self._computed = len(self.tokens)
+        # The forward's own time excludes what restoring took (timed separately).
+        self.stages["prefill_compute"] -= self.stages["restore_wait"] + self.stages["restore_copy"]
         return logits
 
-    def _fetch_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _wait_layer(self, layer: int) -> None:
+        """Block until the load-back has brought ``layer`` of the prefix (timed)."""
         view = self._view
         assert view is not None
         if not view.is_layer_ready(layer):
+            started = time.perf_counter()
             anyio.from_thread.run(view.wait_layer, layer)  # the load-back is still bringing it
-        k, v = view.layer(layer)  # [T, H, D] each
-        n = self.cached_tokens
-        device = self.lm.device
-        return k[:n].to(device).permute(1, 0, 2).unsqueeze(0), v[:n].to(device).permute(1, 0, 2).unsqueeze(0)
+            waited = time.perf_counter() - started
+            self.restore_wait_by_layer[layer] += waited
+            self.stages["restore_wait"] += waited
+
+    def _prefix_views(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Layer ``layer`` of the prefix as views ``[1, H, n, D]`` of the device pages, one per run."""
+        self._wait_layer(layer)
+        pool = self._pool
+        assert pool is not None
+        _, _, _, page_size, heads, dim = pool.shape
+        out = []
+        for first, page, pages in self._runs:
+            take = min(pages * page_size, self.cached_tokens - first)
+            k, v = (pool[c, layer, page : page + pages].view(pages * page_size, heads, dim)[:take] for c in (0, 1))
+            out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
+        return out
+
+    def _restore_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy layer ``layer`` of the prefix from the device pages into the model's cache."""
+        self._wait_layer(layer)
+        pool = self._pool
+        assert pool is not None
+        started = time.perf_counter()
+        _, _, _, page_size, heads, dim = pool.shape
+        for first, page, pages in self._runs:
+            take = min(pages * page_size, self.cached_tokens - first)
+            for c, dst in enumerate((keys, values)):
+                src = pool[c, layer, page : page + pages].view(pages * page_size, heads, dim)[:take]
+                dst[0, :, first : first + take].copy_(src.transpose(0, 1))
+        self.stages["restore_copy"] += time.perf_counter() - started
 
     def _step(self, token: int) -> torch.Tensor:
+        self._live()
         logits = self.lm.forward([token], self._kv)
         self._computed += 1
         return logits
@@ -197,6 +329,26 @@ class Sequence:
             out[0, layer].copy_(k[0, :, start:end].transpose(0, 1))
             out[1, layer].copy_(v[0, :, start:end].transpose(0, 1))
         return out
+
+
+def _timed(fn: Any, args: tuple[Any, ...]) -> tuple[Any, float, float]:
+    began = time.perf_counter()
+    out = fn(*args)
+    return out, began, time.perf_counter()
+
+
+def _runs(pages: list[int], page_size: int, tokens: int) -> list[tuple[int, int, int]]:
+    """The first ``tokens`` tokens' device pages as runs ``(first token, first page, pages)``."""
+    needed = pages[: -(-tokens // page_size)]
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < len(needed):
+        j = i + 1
+        while j < len(needed) and needed[j] == needed[j - 1] + 1:
+            j += 1
+        runs.append((i * page_size, needed[i], j - i))
+        i = j
+    return runs
 
 
 def _check_tokens(tokens: Any, vocab_size: int | None) -> list[int]:

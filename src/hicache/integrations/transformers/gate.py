@@ -3,6 +3,10 @@
 A CPU (or one GPU stream) runs one forward at a time; queueing them here, rather than in a
 thread pool, lets the order be chosen. Prefill first is what SGLang's scheduler does by default:
 a new request's first token does not wait behind every running request's next decode step.
+
+The gate also knows when a prefill computes: ``wait_no_prefill()`` is what the cache's background
+copies and storage writes await (``CachedCausalLM`` hands it to the cache), so on a machine whose
+cores the model needs they run between prefills instead of slowing them down.
 """
 
 from __future__ import annotations
@@ -25,12 +29,36 @@ class ComputeGate:
 
     def __init__(self) -> None:
         self._held = False
+        self._holder: int | None = None  # the priority of the step holding the gate
         self._queue: list[tuple[int, int, anyio.Event]] = []
         self._order = itertools.count()
+        self._no_prefill_waiters: list[anyio.Event] = []
 
     @property
     def waiting(self) -> int:
         return len(self._queue)
+
+    @property
+    def prefill_running(self) -> bool:
+        return self._holder == self.PREFILL
+
+    async def wait_no_prefill(self) -> None:
+        """Return once no prefill holds the gate (at once when none does)."""
+        while self._holder == self.PREFILL:
+            event = anyio.Event()
+            self._no_prefill_waiters.append(event)
+            try:
+                await event.wait()
+            finally:
+                if event in self._no_prefill_waiters:
+                    self._no_prefill_waiters.remove(event)
+
+    def _set_holder(self, priority: int | None) -> None:
+        self._holder = priority
+        if priority != self.PREFILL and self._no_prefill_waiters:
+            waiters, self._no_prefill_waiters = self._no_prefill_waiters, []
+            for event in waiters:
+                event.set()
 
     @asynccontextmanager
     async def hold(self, priority: int) -> AsyncIterator[None]:
@@ -49,6 +77,7 @@ class ComputeGate:
                 raise
         else:
             self._held = True
+            self._set_holder(priority)
         try:
             yield
         finally:
@@ -56,6 +85,9 @@ class ComputeGate:
 
     def _release(self) -> None:
         if self._queue:
-            heapq.heappop(self._queue)[2].set()  # stays held: handed over to the next in line
+            priority, _, event = heapq.heappop(self._queue)
+            self._set_holder(priority)
+            event.set()  # stays held: handed over to the next in line
         else:
             self._held = False
+            self._set_holder(None)

@@ -6,9 +6,12 @@ Layout: ``<path>/<first two hex digits of the key>/<32 hex digits>.kv``, each fi
 * **Atomic writes**: a page is written to a temporary file in its shard, optionally fsynced, then
   renamed over the final name, so readers (this process or another) see a whole page or none. Two
   processes writing the same page both produce a valid file; the last rename wins.
-* **fsync policy**: ``always`` (file data before the rename, the shard directory after: the page
-  survives a power loss once ``set`` returns) or ``never`` (atomic but not durable; a page torn by a
-  crash fails its checksum and is a miss).
+* **fsync policy**: ``never`` (the default: atomic but not durable; a page torn by a power loss
+  fails its checksum and is a miss, never wrong data) or ``always`` (file data before the rename,
+  the shard directory after: the page survives a power loss once ``set`` returns). A cache can
+  recompute what a power loss takes, and fsync is most of the write path's time: on the benchmark
+  trace 7-8 ms per call, two per page (75% of the writer threads' time), and one store's backup and
+  writes take 32 ms with it against 21 ms without (``benchmarks/background_cost.py``, README).
 * **Capacity**: bytes of page files this process knows of; the least recently used files are
   deleted to make room. Reads refresh a file's mtime, so recency survives restarts.
 * **Restarts and other processes**: the index is rebuilt from the directory at ``open`` (oldest
@@ -98,7 +101,7 @@ class FileBackend(StorageBackend):
     class Settings(BackendSettings):
         path: str = Field(min_length=1)
         capacity: ByteSize = 10 * 1024**3
-        fsync: Literal["always", "never"] = "always"
+        fsync: Literal["always", "never"] = "never"  # pages are checksummed and renamed into place
         write_threads: int = Field(default=8, ge=1, le=64, strict=True)
         read_ahead: int = Field(default=64, ge=0, le=256, strict=True)
 

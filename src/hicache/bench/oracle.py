@@ -1,0 +1,171 @@
+"""The ``oracle`` configuration: the reference engine with a perfect prefix cache that costs nothing.
+
+Every full page of KV the model computes is kept in memory (as the model's cache lays it out), and
+each request starts from the longest page-aligned prefix of its prompt kept so far: what a cache
+of unlimited capacity with free lookups, transfers and stores would give. Putting that prefix into
+the model's cache, and keeping the new pages, happens while the engine's clock is stopped (and
+while the ``ComputeGate`` is held, so nothing else runs meanwhile): no request's times include it.
+Its TTFT is the limit a prefix cache can reach on the trace; the other configurations are reported
+against it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from collections.abc import Sequence as Seq
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import anyio.to_thread
+import numpy as np
+import torch
+import xxhash
+
+from ..integrations.transformers import CachedCausalLM, ComputeGate
+from ..integrations.transformers.causal_lm import Sequence, _check_tokens
+from ..integrations.transformers.prefix_cache import KVBuffers, PrefixCache
+
+__all__ = ["OracleLM", "StoppableClock"]
+
+
+class StoppableClock:
+    """A clock (``base``: ``time.monotonic``, or ``time.process_time`` for CPU seconds) that does not
+    advance while ``stopped()`` is in force."""
+
+    def __init__(self, base: Callable[[], float] = time.monotonic) -> None:
+        self._base = base
+        self._lock = threading.Lock()
+        self._excluded = 0.0
+        self._since: float | None = None
+        self.stopped_s = 0.0  # total time excluded, for the report
+
+    def __call__(self) -> float:
+        with self._lock:
+            now = self._since if self._since is not None else self._base()
+            return now - self._excluded
+
+    @contextmanager
+    def stopped(self) -> Any:
+        with self._lock:
+            assert self._since is None, "the clock is stopped already"
+            self._since = self._base()
+        try:
+            yield
+        finally:
+            with self._lock:
+                assert self._since is not None
+                gap = self._base() - self._since
+                self._excluded += gap
+                self.stopped_s += gap
+                self._since = None
+
+
+class OracleLM:
+    """A ``CachedCausalLM`` look-alike (no hicache) whose requests start from every page computed before."""
+
+    def __init__(self, model: Any, page_size: int, *, gate: ComputeGate | None = None) -> None:
+        self.inner = CachedCausalLM(model, None, gate=gate)
+        self.gate = self.inner.gate
+        self.vocab_size = self.inner.vocab_size
+        self.page_size = page_size
+        self.clock = StoppableClock(time.monotonic)  # the engine's clock
+        self.cpu_clock = StoppableClock(time.process_time)  # and its cpu_clock
+        self._pages: dict[bytes, torch.Tensor] = {}  # chain key -> [2, L, H, page, D]
+
+    def page_keys(self, tokens: Seq[int], pages: int) -> list[bytes]:
+        """Chained keys of the first ``pages`` full pages: key ``i`` names tokens ``[:(i+1) * page]``."""
+        ps = self.page_size
+        ids = np.asarray(tokens[: pages * ps], dtype=np.int64)
+        keys: list[bytes] = []
+        prev = b""
+        for i in range(pages):
+            prev = xxhash.xxh3_128_digest(prev + ids[i * ps : (i + 1) * ps].tobytes())
+            keys.append(prev)
+        return keys
+
+    @contextmanager
+    def clocks_stopped(self) -> Any:
+        with self.clock.stopped(), self.cpu_clock.stopped():
+            yield
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._pages.values())
+
+    async def lookup(self, tokens: Seq[int]) -> None:
+        return None
+
+    @asynccontextmanager
+    async def sequence(self, tokens: Seq[int], *, store: bool = True, max_new_tokens: int = 64) -> AsyncIterator[Sequence]:
+        prompt = _check_tokens(tokens, self.vocab_size)
+        keys = self.page_keys(prompt, len(prompt) // self.page_size)
+        pages = 0
+        while pages < len(keys) and keys[pages] in self._pages:
+            pages += 1
+        buffers = self.inner.buffers.take(len(prompt) + max(0, max_new_tokens))
+        try:
+            seq = OracleSequence(self, prompt, buffers, keys[:pages])
+            try:
+                yield seq
+                if store:
+                    await seq.store()
+            finally:
+                seq.close()
+        finally:
+            self.inner.buffers.give_back(buffers)
+
+
+class OracleSequence(Sequence):
+    """A ``Sequence`` whose prefix comes from the oracle's pages, put in place with the clock stopped."""
+
+    def __init__(self, oracle: OracleLM, prompt: list[int], buffers: KVBuffers, keys: list[bytes]) -> None:
+        super().__init__(oracle.inner, prompt, None, buffers)
+        self.oracle = oracle
+        self._keys = keys
+        self.cached_tokens = min(len(keys) * oracle.page_size, self.prompt_tokens - 1)
+        self._kept = 0  # tokens whose pages the oracle holds from this sequence
+
+    async def prefill(self) -> int:
+        if self.cached_tokens > 0 and self._kv is None:
+            async with self.lm.gate.hold(ComputeGate.PREFILL):
+                with self.oracle.clocks_stopped():
+                    self._kv = await anyio.to_thread.run_sync(self._prepare)
+        return await super().prefill()
+
+    def _prepare(self) -> Any:
+        """The model's cache with the prefix already in its buffer (the engine's own memory)."""
+        buffers = self._live()
+        ps = self.oracle.page_size
+        for i, key in enumerate(self._keys):
+            buffers.data[:, :, 0, :, i * ps : (i + 1) * ps].copy_(self.oracle._pages[key])
+        lm = self.lm
+        return PrefixCache(lm.model.config, buffers, lm.spec.num_layers, restored=self.cached_tokens,
+                           restore=_in_place, segments=lm.segments, lazy=False)
+
+    async def store(self) -> None:
+        """Keep the full pages computed so far (clock stopped, gate held)."""
+        if self._kv is None:
+            return None
+        ps = self.oracle.page_size
+        end = self._computed // ps * ps
+        if end <= self._kept:
+            return None
+        async with self.lm.gate.hold(ComputeGate.DECODE):
+            with self.oracle.clocks_stopped():
+                await anyio.to_thread.run_sync(self._keep, end)
+        return None
+
+    def _keep(self, end: int) -> None:
+        ps = self.oracle.page_size
+        keys = self.oracle.page_keys(self.tokens, end // ps)
+        buffers: KVBuffers = self._live()
+        for i in range(self._kept // ps, end // ps):
+            if keys[i] not in self.oracle._pages:
+                self.oracle._pages[keys[i]] = buffers.data[:, :, 0, :, i * ps : (i + 1) * ps].clone()
+        self._kept = end
+
+
+def _in_place(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """The oracle's prefix is in the buffer already (put there with the clock stopped)."""

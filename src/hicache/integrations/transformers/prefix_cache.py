@@ -1,0 +1,219 @@
+"""``PrefixCache``: the model's KV cache, preallocated for the whole sequence and filled in place.
+
+A ``DynamicCache`` concatenates on every step: the restored prefix is copied once into it and
+again when the prompt's own KV is appended, and every decode step copies the whole cache. Here
+each layer's keys and values live in one buffer sized for the prompt and the expected output
+(``KVBuffers``): the restored prefix is copied once, straight from the cache's device pages into
+its place, and each step writes only its new tokens. The model attends over views of the filled
+part. A sequence that outgrows its buffer moves that layer to a larger one (doubling).
+
+The restored prefix reaches the model in one of two ways:
+
+* ``prefix`` (segment mode, on the CPU): not copied at all. Layer ``i`` gets views of the cache's
+  device pages the first time the forward writes layer ``i``, and ``update`` returns ``Segments``
+  (those views and the buffer's own tokens) for ``segment_attention`` (``attention.py``).
+* ``restore`` (copy mode): layer ``i``'s prefix is copied into the buffer the first time the
+  forward writes layer ``i``, and ``update`` returns the buffer's filled part, for any attention.
+
+Either way, while layer ``i`` computes, the load-back keeps bringing layers ``i+1..``. Every layer
+reports the restored length from the start: the model reads it (positions) before layer 0 runs.
+Buffer positions are token positions: the sequence's own tokens sit at their index, also in
+segment mode, where the buffer's first ``restored`` slots stay unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .attention import Segments
+
+__all__ = ["KVBuffers", "BufferPool", "PrefixCache", "layer_tensors"]
+
+#: ``restore(layer, keys, values)`` fills ``keys[..., :n, :]`` and ``values[..., :n, :]`` of one layer
+RestoreLayer = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: ``prefix(layer)``: the views ``[(k, v)]`` (each ``[1, H, n_i, D]``) holding one layer's prefix, in order
+PrefixViews = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
+
+_ROUND = 128  # buffer capacities are rounded up to this many tokens, so buffers are reusable
+
+
+class KVBuffers:
+    """Keys and values of every layer, ``[2, L, 1, H, capacity, D]`` in one allocation."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.capacity = capacity
+        self.data = torch.empty((2, num_layers, 1, num_kv_heads, capacity, head_dim), dtype=dtype, device=device)
+
+    def keys(self, layer: int) -> torch.Tensor:
+        return self.data[0, layer]
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self.data[1, layer]
+
+
+class BufferPool:
+    """Reuses ``KVBuffers`` between sequences: a fresh multi-MB tensor costs page faults on first
+    touch on every request, a reused one does not. Keeps at most ``keep`` idle buffers."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 *, keep: int = 4) -> None:
+        self._shape = (num_layers, num_kv_heads, head_dim)
+        self._dtype = dtype
+        self._device = device
+        self._keep = keep
+        self._idle: list[KVBuffers] = []
+
+    def take(self, tokens: int) -> KVBuffers:
+        """A buffer for at least ``tokens`` tokens (the smallest idle one that fits, else a new one)."""
+        fits = [b for b in self._idle if b.capacity >= tokens]
+        if fits:
+            best = min(fits, key=lambda b: b.capacity)
+            self._idle.remove(best)
+            return best
+        capacity = -(-max(tokens, 1) // _ROUND) * _ROUND
+        return KVBuffers(*self._shape, capacity, self._dtype, self._device)
+
+    def give_back(self, buffers: KVBuffers) -> None:
+        self._idle.append(buffers)
+        if len(self._idle) > self._keep:
+            self._idle.remove(min(self._idle, key=lambda b: b.capacity))
+
+
+class _Layer(DynamicLayer):
+    """One layer of a ``PrefixCache``: its buffer, and its prefix (copied in, or views elsewhere)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int, *, restore: Callable[[], None] | None,
+                 prefix: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]] | None, segments: bool):
+        super().__init__()
+        self._k, self._v = keys, values
+        self._len = length
+        self._restore = restore
+        self._prefix = prefix
+        self._views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        self._own = length if prefix is not None else 0  # where the buffer's own tokens start
+        self._segments = segments
+        self.device = keys.device
+        self.is_initialized = True
+        self._expose()
+
+    def _expose(self) -> None:
+        self.keys = self._k[:, :, : self._len]
+        self.values = self._v[:, :, : self._len]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # the buffer exists from the start
+
+    def restore(self) -> None:
+        """Put the prefix in place now: copy it in, or fetch its views (idempotent)."""
+        if self._restore is not None:
+            fill, self._restore = self._restore, None
+            fill()
+        if self._prefix is not None:
+            fetch, self._prefix = self._prefix, None
+            self._views = tuple(fetch())
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        self.restore()
+        start = self._len
+        end = start + key_states.shape[-2]
+        if end > self._k.shape[-2]:
+            self._grow(end)
+        self._k[:, :, start:end].copy_(key_states)
+        self._v[:, :, start:end].copy_(value_states)
+        self._len = end
+        self._expose()
+        if self._segments:
+            own = slice(self._own, end)
+            return (Segments(self._views, self._k[:, :, own], self._v[:, :, own], key_states.shape[-2]),) * 2
+        return self.keys, self.values
+
+    def _grow(self, tokens: int) -> None:
+        capacity = max(tokens, 2 * self._k.shape[-2])
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:-2], capacity, old.shape[-1]))
+            new[:, :, : self._len].copy_(old[:, :, : self._len])
+            setattr(self, name, new)
+
+    def get_seq_length(self) -> int:
+        return self._len
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+        self._len = max(0, self._len + tokens_to_remove)
+        self._expose()
+
+    def reset(self) -> None:
+        self._len = self._own = 0
+        self._restore = self._prefix = None
+        self._views = ()
+        self._expose()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("PrefixCache holds one sequence")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("PrefixCache holds one sequence")
+
+
+class PrefixCache(DynamicCache):
+    """A ``DynamicCache`` over preallocated buffers whose first ``restored`` tokens come from elsewhere.
+
+    ``restore(layer, k, v)`` copies a layer's prefix into the buffer; ``prefix(layer)`` returns
+    views of it instead (segment mode only). ``segments``: ``update`` returns ``Segments`` for
+    ``segment_attention`` rather than tensors. With ``lazy=False`` every layer's prefix is put in
+    place before the forward starts.
+    """
+
+    def __init__(self, config: Any, buffers: KVBuffers, num_layers: int, *, restored: int = 0,
+                 restore: RestoreLayer | None = None, prefix: PrefixViews | None = None,
+                 segments: bool = False, lazy: bool = True) -> None:
+        try:
+            super().__init__(config=config)
+        except TypeError:  # transformers before 4.56 had no config argument
+            super().__init__()
+        if restore is not None and prefix is not None:
+            raise ValueError("give restore (copy the prefix in) or prefix (views of it), not both")
+        if prefix is not None and not segments:
+            raise ValueError("prefix views need segment mode: only segment_attention reads them")
+        self.buffers = buffers
+        if restored > buffers.capacity:
+            raise ValueError(f"{restored} restored tokens do not fit a buffer of {buffers.capacity}")
+        if not (restore or prefix):
+            restored = 0
+        layers = []
+        for i in range(num_layers):
+            k, v = buffers.keys(i), buffers.values(i)
+            fill = (lambda i=i, k=k, v=v: restore(i, k, v)) if restore is not None and restored else None
+            views = (lambda i=i: prefix(i)) if prefix is not None and restored else None
+            layers.append(_Layer(k, v, restored, restore=fill, prefix=views, segments=segments))
+        self.layers = layers
+        if hasattr(self, "layer_class_to_replicate"):
+            self.layer_class_to_replicate = None
+        if not lazy:
+            self.restore_all()
+
+    def restore_all(self) -> None:
+        for layer in self.layers:
+            layer.restore()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+
+def layer_tensors(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[batch, kv_heads, seq, head_dim]`` of one layer, across transformers versions."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        return layers[layer].keys, layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]  # transformers < 4.56

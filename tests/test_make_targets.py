@@ -1,0 +1,72 @@
+"""Every `make` target the README names runs as written (with --help, or at the smallest size).
+
+The targets run with this interpreter's environment (``BIN``) and without reinstalling it
+(``-o`` on the install stamps), so the test needs no network and no second install.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+def make(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    bin_dir = str(Path(sys.executable).parent)
+    cmd = ["make", "--no-print-directory", "-o", ".venv/.installed", "-o", ".venv-vllm/.installed",
+           f"BIN={bin_dir}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def readme_targets() -> set[str]:
+    text = (ROOT / "README.md").read_text()
+    return set(re.findall(r"`make ([a-z][a-z-]*)", text)) | set(re.findall(r"^make ([a-z][a-z-]*)", text, re.M))
+
+
+#: how each target the README names is run here: make arguments, and what its output must say
+RUNS = {
+    "run": (["run", "ARGS=multiturn --help"], "hicache bench multiturn"),
+    "bench": (["bench", "ARGS=--help"], "transfer.py"),
+    "bench-storage": (["bench-storage", "ARGS=--help"], "storage.py"),
+    "gpu-check": (["gpu-check", "ARGS=--help"], "gpu_check.py"),
+    "test": (["test", "TEST_ARGS=--version", "VLLM_TESTS="], "-m pytest --version"),
+}
+
+
+def test_the_readme_names_only_targets_this_test_knows() -> None:
+    assert readme_targets() <= set(RUNS) | {"bench-vllm", "venv-vllm"}, readme_targets()
+
+
+@pytest.mark.parametrize("target", sorted(RUNS))
+def test_each_target_runs_as_documented(target: str) -> None:
+    args, expected = RUNS[target]
+    proc = make(*args)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert expected in proc.stdout, proc.stdout[-2000:]
+
+
+def test_make_run_alone_runs_the_multiturn_benchmark_and_make_bench_takes_no_benchmark_name() -> None:
+    dry = make("-n", "run")
+    assert dry.returncode == 0 and re.search(r"hicache bench multiturn\s*$", dry.stdout, re.M), dry.stdout
+    bench = make("-n", "bench")
+    assert bench.returncode == 0 and "multiturn" not in bench.stdout, bench.stdout
+
+
+def test_the_vllm_targets_parse_and_name_the_second_environment() -> None:
+    # vLLM lives in .venv-vllm (several GB): its targets are checked as a dry run, and the command
+    # bench-vllm runs is run with this environment's `hicache`, whose CLI parses the same options.
+    dry = make("-n", "bench-vllm", "VLLM_ARGS=--help")
+    assert dry.returncode == 0 and ".venv-vllm/bin/hicache bench vllm --help" in dry.stdout, dry.stdout + dry.stderr
+    assert make("-n", "venv-vllm").returncode == 0
+    here = make("bench-vllm", f"VLLM_BIN={Path(sys.executable).parent}", "VLLM_ARGS=--help")
+    assert here.returncode == 0 and "hicache bench vllm" in here.stdout, here.stdout[-2000:] + here.stderr[-2000:]
