@@ -97,7 +97,7 @@ async def main_async(args: argparse.Namespace) -> None:
             for name, cache in opened.items():
                 lm = CachedCausalLM(model, cache, yield_to_prefills=caches[name][1])
                 gates[name] = lm.gate
-            for rep in range(args.repeat):
+            for _rep in range(args.repeat):
                 wall, cpu = await anyio.to_thread.run_sync(forward)
                 results.setdefault("alone", []).append((wall, cpu, 0.0))
                 for name, cache in opened.items():
