@@ -193,3 +193,38 @@ def test_records_of_other_engines_need_only_the_common_fields() -> None:
     s = summaries["vllm"]
     assert s["hit_rate"] == 0.5 and math.isnan(s["computed_ideal_hit_rate"]) and math.isnan(s["hit_vs_computed_ideal"])
     assert "vllm" in format_table(summaries, ["vllm"], base_name="vllm")
+
+
+@pytest.mark.slow
+def test_the_benchmark_writes_each_configurations_metrics(tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    report = bench(tmp_path, "multiturn", "--num-clients", "2", "--num-rounds", "3", "--request-length", "40",
+                   "--output-length", "2", "--configs", "no-cache,hierarchical", "--no-plot", "--metrics")
+    for name in ("no-cache", "hierarchical"):
+        text = (tmp_path / "out" / f"metrics-{name}.prom").read_text()
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}
+        assert samples[("hicache_engine_ttft_seconds_count", ())] == 6  # one per request
+        assert samples[("hicache_engine_requests_total", (("outcome", "finished"),))] == 6
+        cached = sum(v for (n, _), v in samples.items() if n == "hicache_engine_cached_tokens_by_tier_total")
+        records = report["configurations"][name]["records"]
+        assert cached == sum(r["cached_tokens"] for r in records)
+        stats = report["configurations"][name]["cache_stats"]
+        if name == "no-cache":
+            assert stats is None and not any(n.startswith("hicache_tier_") for n, _ in samples)
+            continue
+        assert cached > 0
+        assert samples[("hicache_stores_total", ())] == stats["stores"]
+        hits = {dict(labels)["tier"]: v for (n, labels), v in samples.items() if n == "hicache_tier_hit_tokens_total"}
+        tiers = stats["tiers"] | stats["storage"]
+        assert hits == {tier: t["hit_tokens"] for tier, t in tiers.items()} and hits["file"] > 0
+
+
+def test_metrics_needs_the_metrics_extra_or_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "prometheus_client" else real(n, *a))
+    with pytest.raises(SystemExit, match="hicache\\[metrics\\]"):
+        bench(tmp_path, "multiturn", "--configs", "no-cache", "--metrics")

@@ -7,6 +7,7 @@ parent prints the table, writes ``results.json`` and ``plot.png`` into ``--out``
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -63,6 +64,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the cache's backups and storage writes do not wait for prefills (for comparison)")
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler in each configuration: its top operators go into results.json")
+    g.add_argument("--metrics", action="store_true",
+                   help="write each configuration's Prometheus metrics (the cache's and the engine's, as "
+                        "scraped at the end of its run) to metrics-<configuration>.prom in --out "
+                        "(needs the metrics extra)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -124,6 +129,7 @@ def base_spec(args: argparse.Namespace, out: Path) -> RunSpec:
         progress=not args.quiet,
         profile=args.profile,
         yield_to_prefills=not args.no_yield,
+        metrics=args.metrics,
     )
 
 
@@ -134,6 +140,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGURATIONS)}")
     if "warm-restart" in configs and ("hierarchical" not in configs or configs.index("hierarchical") > configs.index("warm-restart")):
         raise SystemExit("warm-restart reuses the file tier that hierarchical leaves: run hierarchical before it")
+    if args.metrics and importlib.util.find_spec("prometheus_client") is None:
+        raise SystemExit("--metrics needs prometheus-client: pip install 'hicache[metrics]'")
     out = Path(args.out or f"bench-results/{args.benchmark}-{args.model}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     base = base_spec(args, out)
@@ -194,6 +202,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print()
         for key, t in report["targets"].items():
             print(f"  {key}: {t['value']:.2f} (target {t['target']}): {'met' if t['met'] else 'MISSED'}")
+    if args.metrics:
+        print()
+        for name in configs:
+            print(f"wrote {out / f'metrics-{name}.prom'}")
     if not args.no_plot:
         title = f"hicache bench {args.benchmark}: {args.model}, {workload.requests} requests"
         plot(summaries, {n: r["records"] for n, r in results.items()}, str(out / "plot.png"), title)

@@ -54,6 +54,7 @@ class RunSpec:
     progress: bool = True
     profile: bool = False  # torch.profiler over the run: the top operators go into the result
     yield_to_prefills: bool = True  # the cache's background work waits while a prefill computes
+    metrics: bool = False  # write the run's Prometheus metrics to ``metrics-<configuration>.prom``
 
     def make_workload(self) -> MultiTurn | LongContext:
         kind = MultiTurn if self.benchmark == "multiturn" else LongContext
@@ -97,6 +98,8 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
 
     oracle: OracleLM | None = None
 
+    exporter = _MetricsExport(spec) if spec.metrics else None
+
     async def serve(cache: HiCache | None) -> tuple[list[Any], float]:
         nonlocal oracle
         if spec.configuration == "oracle":
@@ -107,8 +110,14 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
             lm = CachedCausalLM(model, cache, yield_to_prefills=spec.yield_to_prefills)
             clock, cpu_clock = time.monotonic, time.process_time
         started = time.perf_counter()
+        on_result = None
+        if exporter is not None:
+            exporter.attach(cache)
+            on_result = exporter.engine.observe
         async with Engine(lm, max_running=spec.max_running, max_kv_tokens=kv_budget, clock=clock,
-                          cpu_clock=cpu_clock) as engine:
+                          cpu_clock=cpu_clock, on_result=on_result) as engine:
+            if exporter is not None:
+                exporter.engine.bind(engine)
             records = await drive(engine, conversations, driver, on_done)
         return records, time.perf_counter() - started
 
@@ -125,11 +134,15 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
     with torch_profile(spec.profile) as profile:
         if config is None:
             records, wall = await serve(None)
+            if exporter is not None:
+                exporter.write()
         else:
             async with HiCache.from_config(config) as cache:
                 records, wall = await serve(cache)
                 await cache.wait_idle()  # every backup lands in the file tier before the process ends
                 stats = cache.stats()
+                if exporter is not None:
+                    exporter.write()  # scraped while the cache is open: its final figures
     machine["cpu_pressure_after"] = cpu_pressure()
     machine["thread_cpu_s"] = thread_times()
     machine["process_cpu_s"] = {k: v - times[k] for k, v in process_times().items()}
@@ -145,6 +158,30 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
         "oracle": None if oracle is None else {"kept_bytes": oracle.kept_bytes, "clock_stopped_s": oracle.clock.stopped_s},
         "profile": {"torch": profile.result, "activity": trace.summary()} if spec.profile else None,
     }
+
+
+class _MetricsExport:
+    """The run's metrics (``hicache.metrics``), written once in the exposition format at its end."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from ..metrics import EngineMetrics
+
+        self.path = Path(spec.out_dir) / f"metrics-{spec.configuration}.prom"
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.engine = EngineMetrics(self.registry)
+
+    def attach(self, cache: HiCache | None) -> None:
+        if cache is not None:
+            from ..metrics import HiCacheCollector
+
+            self.registry.register(HiCacheCollector(cache))
+
+    def write(self) -> None:
+        from prometheus_client import generate_latest
+
+        self.path.write_bytes(generate_latest(self.registry))
 
 
 def _progress(spec: RunSpec, total: int) -> Any:
