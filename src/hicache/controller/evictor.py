@@ -27,7 +27,8 @@ everything else is leased.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 
 import anyio
 import anyio.lowlevel
@@ -150,6 +151,21 @@ class Evictor:
                     break
             return freed
 
+    async def _victims(
+        self, kind: int, wanted: Callable[[TreeNode], bool], taken: list[TreeNode]
+    ) -> AsyncIterator[TreeNode]:
+        """Candidates of ``kind`` in policy order, each once; every node popped is added to ``taken``
+        (the caller notes them back to the tree when its round ends)."""
+        seen: set[int] = set()
+        while (node := self.candidates.pop(kind)) is not None:
+            taken.append(node)
+            if not len(taken) % _YIELD_EVERY:
+                await anyio.lowlevel.checkpoint()  # a bulk eviction lets other calls in
+            if node.id in seen or not wanted(node):
+                continue
+            seen.add(node.id)
+            yield node
+
     async def _evict_device_round(self, n_pages: int) -> tuple[int, bool]:
         """Drop device leaves in policy order; spill those that must reach the host first, batched."""
         candidates = self.candidates
@@ -158,25 +174,18 @@ class Evictor:
         pending = 0
         to_spill: list[TreeNode] = []
         taken: list[TreeNode] = []
-        seen: set[int] = set()
         try:
-            while freed + pending < n_pages:
-                node = candidates.pop(DEVICE_LEAF)
-                if node is None:
-                    break
-                taken.append(node)
-                if not len(taken) % _YIELD_EVERY:
-                    await anyio.lowlevel.checkpoint()  # a bulk eviction lets other calls in
-                if node.id in seen or not self._device_leaf(node):
-                    continue
-                seen.add(node.id)
-                verdict = self.residency.leave_device(node)
-                if verdict is Verdict.COPY:
-                    to_spill.append(node)
-                    pending += node.num_pages
-                elif verdict in (Verdict.FREE, Verdict.LOST):
-                    freed += self._drop_device(node)
-                    candidates.refresh()  # its parent may be a device leaf now
+            async with aclosing(self._victims(DEVICE_LEAF, self._device_leaf, taken)) as victims:
+                async for node in victims:
+                    verdict = self.residency.leave_device(node)
+                    if verdict is Verdict.COPY:
+                        to_spill.append(node)
+                        pending += node.num_pages
+                    elif verdict in (Verdict.FREE, Verdict.LOST):
+                        freed += self._drop_device(node)
+                        candidates.refresh()  # its parent may be a device leaf now
+                    if freed + pending >= n_pages:
+                        break
             spilled = await self._spill(to_spill) if to_spill else 0
             for node in to_spill:
                 if self._device_leaf(node) and self.residency.leave_device(node) in (Verdict.FREE, Verdict.LOST):
@@ -272,25 +281,18 @@ class Evictor:
         pending = 0
         to_write: list[TreeNode] = []
         taken: list[TreeNode] = []
-        seen: set[int] = set()
         try:
-            while freed + pending < n_pages:
-                node = candidates.pop(kind)
-                if node is None:
-                    break
-                taken.append(node)
-                if not len(taken) % _YIELD_EVERY:
-                    await anyio.lowlevel.checkpoint()
-                if node.id in seen or not wanted(node):
-                    continue
-                seen.add(node.id)
-                verdict = self.residency.leave_host(node)
-                if verdict is Verdict.COPY:
-                    to_write.append(node)
-                    pending += node.num_pages
-                elif verdict in (Verdict.FREE, Verdict.LOST):
-                    freed += self._drop_host(node, lost=verdict is Verdict.LOST)
-                    candidates.refresh()  # its parent may be a host leaf now
+            async with aclosing(self._victims(kind, wanted, taken)) as victims:
+                async for node in victims:
+                    verdict = self.residency.leave_host(node)
+                    if verdict is Verdict.COPY:
+                        to_write.append(node)
+                        pending += node.num_pages
+                    elif verdict in (Verdict.FREE, Verdict.LOST):
+                        freed += self._drop_host(node, lost=verdict is Verdict.LOST)
+                        candidates.refresh()  # its parent may be a host leaf now
+                    if freed + pending >= n_pages:
+                        break
             written = await self._write_to_storage(to_write) if to_write else 0
             for node in to_write:
                 if wanted(node):
