@@ -70,3 +70,10 @@ def test_the_vllm_targets_parse_and_name_the_second_environment() -> None:
     assert make("-n", "venv-vllm").returncode == 0
     here = make("bench-vllm", f"VLLM_BIN={Path(sys.executable).parent}", "VLLM_ARGS=--help")
     assert here.returncode == 0 and "hicache bench vllm" in here.stdout, here.stdout[-2000:] + here.stderr[-2000:]
+
+
+def test_the_readme_starts_with_exactly_the_two_set_up_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    first_block = text.split("```", 2)[1]
+    commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
+    assert commands == ["make run", "make test"], commands
