@@ -145,7 +145,10 @@ class Evictor:
             self.candidates.refresh()
             freed = 0
             while freed < n_pages:
-                dropped, spilled = await self._evict_device_round(n_pages - freed)
+                dropped, spilled = await self._evict_round(
+                    n_pages - freed, DEVICE_LEAF, self.residency.leave_device,
+                    lambda node, _: self._drop_device(node), self._spill,
+                )
                 freed += dropped
                 if not dropped and not spilled:
                     break
@@ -166,34 +169,44 @@ class Evictor:
             seen.add(node.id)
             yield node
 
-    async def _evict_device_round(self, n_pages: int) -> tuple[int, bool]:
-        """Drop device leaves in policy order; spill those that must reach the host first, batched."""
+    async def _evict_round(
+        self,
+        n_pages: int,
+        kind: int,
+        leave: Callable[[TreeNode], Verdict],
+        drop: Callable[[TreeNode, Verdict], int],
+        copy_down: Callable[[list[TreeNode]], Awaitable[int]],
+    ) -> tuple[int, bool]:
+        """Drop victims of ``kind`` in policy order as ``leave`` (the residency rule) allows; those it
+        says must first be copied to the tier below go there in one batch (``copy_down``), then are
+        dropped if they still may be. Returns the pages freed and whether anything was copied."""
         candidates = self.candidates
+        wanted = candidates.wanted(kind)
         candidates.refresh()
         freed = 0
         pending = 0
-        to_spill: list[TreeNode] = []
+        to_copy: list[TreeNode] = []
         taken: list[TreeNode] = []
         try:
-            async with aclosing(self._victims(DEVICE_LEAF, self._device_leaf, taken)) as victims:
+            async with aclosing(self._victims(kind, wanted, taken)) as victims:
                 async for node in victims:
-                    verdict = self.residency.leave_device(node)
+                    verdict = leave(node)
                     if verdict is Verdict.COPY:
-                        to_spill.append(node)
+                        to_copy.append(node)
                         pending += node.num_pages
                     elif verdict in (Verdict.FREE, Verdict.LOST):
-                        freed += self._drop_device(node)
-                        candidates.refresh()  # its parent may be a device leaf now
+                        freed += drop(node, verdict)
+                        candidates.refresh()  # its parent may be a candidate now
                     if freed + pending >= n_pages:
                         break
-            spilled = await self._spill(to_spill) if to_spill else 0
-            for node in to_spill:
-                if self._device_leaf(node) and self.residency.leave_device(node) in (Verdict.FREE, Verdict.LOST):
-                    freed += self._drop_device(node)
+            copied = await copy_down(to_copy) if to_copy else 0
+            for node in to_copy:
+                if wanted(node) and (verdict := leave(node)) in (Verdict.FREE, Verdict.LOST):
+                    freed += drop(node, verdict)
         finally:
-            for node in taken:  # waiting, not spilled, or dropped: the tree's report re-queues what still qualifies
+            for node in taken:  # waiting, not copied, or dropped: the tree's report re-queues what still qualifies
                 self.tree.note(node)
-        return freed, spilled > 0
+        return freed, copied > 0
 
     def _drop_device(self, node: TreeNode) -> int:
         pages = node.device
@@ -266,43 +279,15 @@ class Evictor:
             freed = 0
             for kind in (HOST_LEAF, HOST_MIRROR):
                 while freed < n_pages:
-                    dropped, spilled = await self._evict_host_round(n_pages - freed, kind)
+                    dropped, written = await self._evict_round(
+                        n_pages - freed, kind, self.residency.leave_host,
+                        lambda node, verdict: self._drop_host(node, lost=verdict is Verdict.LOST),
+                        self._write_to_storage,
+                    )
                     freed += dropped
-                    if not dropped and not spilled:
+                    if not dropped and not written:
                         break
             return freed
-
-    async def _evict_host_round(self, n_pages: int, kind: int) -> tuple[int, bool]:
-        """Drop host copies of ``kind`` in policy order; write those promised to storage first."""
-        candidates = self.candidates
-        wanted = candidates.wanted(kind)
-        candidates.refresh()
-        freed = 0
-        pending = 0
-        to_write: list[TreeNode] = []
-        taken: list[TreeNode] = []
-        try:
-            async with aclosing(self._victims(kind, wanted, taken)) as victims:
-                async for node in victims:
-                    verdict = self.residency.leave_host(node)
-                    if verdict is Verdict.COPY:
-                        to_write.append(node)
-                        pending += node.num_pages
-                    elif verdict in (Verdict.FREE, Verdict.LOST):
-                        freed += self._drop_host(node, lost=verdict is Verdict.LOST)
-                        candidates.refresh()  # its parent may be a host leaf now
-                    if freed + pending >= n_pages:
-                        break
-            written = await self._write_to_storage(to_write) if to_write else 0
-            for node in to_write:
-                if wanted(node):
-                    verdict = self.residency.leave_host(node)
-                    if verdict in (Verdict.FREE, Verdict.LOST):
-                        freed += self._drop_host(node, lost=verdict is Verdict.LOST)
-        finally:
-            for node in taken:
-                self.tree.note(node)
-        return freed, written > 0 or bool(to_write)
 
     def _drop_host(self, node: TreeNode, *, lost: bool) -> int:
         pages = node.host
