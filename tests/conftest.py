@@ -87,6 +87,22 @@ def mooncake_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]
 
 
 @pytest.fixture(scope="session")
+def mooncake_holder(mooncake_cluster: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A client that mounts a segment for the whole session, so pages outlive the caches that wrote them
+    (Mooncake keeps an object in the memory of a live client; caches here mount none of their own)."""
+    import anyio
+
+    from hicache.tiers.storage.mooncake import MooncakeBackend
+
+    holder = MooncakeBackend(**(mooncake_cluster | {"global_segment_size": 256 * 1024**2, "key_prefix": "holder"}))
+    anyio.run(holder.open)
+    try:
+        yield mooncake_cluster
+    finally:
+        anyio.run(holder.aclose)
+
+
+@pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """One real SeaweedFS S3 gateway (``weed mini``) on loopback for the session; tests keep apart by key prefix."""
     from .servers import start_seaweedfs

@@ -9,7 +9,6 @@ promised it (asked of a fresh client).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +63,6 @@ def file_entry(tmp_path: Path, name: str = "disk") -> dict[str, Any]:
     return {"kind": "file", "name": name, "path": str(tmp_path / name), "fsync": "never"}
 
 
-@pytest.fixture(scope="module")
-def mooncake_segment(mooncake_cluster: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A client mounting a segment for the module: pages outlive the caches (which mount none)."""
-    from hicache.tiers.storage.mooncake import MooncakeBackend
-
-    holder = MooncakeBackend(**(mooncake_cluster | {"global_segment_size": 128 * 1024**2, "key_prefix": "holder"}))
-    anyio.run(holder.open)
-    try:
-        yield mooncake_cluster
-    finally:
-        anyio.run(holder.aclose)
-
-
 class Traffic:
     """Stores, lookups and retrieves of known prompts, all checked; any error fails the test."""
 
@@ -120,11 +106,11 @@ class Traffic:
                         assert torch.equal(part, kv[c, layer, :n]), "wrong KV served"
 
 
-async def test_attach_and_detach_under_traffic_lose_nothing(tmp_path: Path, valkey, mooncake_segment) -> None:
+async def test_attach_and_detach_under_traffic_lose_nothing(tmp_path: Path, valkey, mooncake_holder) -> None:
     disk = file_entry(tmp_path)  # attached throughout
     redis = {"kind": "redis", "name": "valkey", "url": f"redis://127.0.0.1:{valkey.port}/0",
              "key_prefix": f"ad{uuid.uuid4().hex[:10]}", "timeout_s": 5.0}
-    mooncake = {"kind": "mooncake", "name": "mooncake", **mooncake_segment,
+    mooncake = {"kind": "mooncake", "name": "mooncake", **mooncake_holder,
                 "key_prefix": f"ad{uuid.uuid4().hex[:10]}", "global_segment_size": 0, "timeout_s": 5.0}
     changes = []
     async with HiCache.from_config(config([disk], device_pages=24, host_pages=32)) as cache:

@@ -23,7 +23,7 @@ from hicache.tiers.storage.base import PageIO, StoredPage
 from hicache.tiers.storage.page_format import HEADER_BYTES
 from hicache.tiers.storage.registry import resolve_backend
 
-from .test_attach_detach import GEOMETRY, PAGE, PROMPT_PAGES, config, kv_of, mooncake_segment, tokens_of  # noqa: F401
+from .test_attach_detach import GEOMETRY, PAGE, PROMPT_PAGES, config, kv_of, tokens_of
 
 KINDS = ["file", "redis", "redis-cluster", "mooncake", "s3"]
 OURS, FOREIGN = 5, 2  # prompts written by this config and by another model
@@ -43,7 +43,7 @@ def entry(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
         return {"kind": "redis", "name": "store", "cluster": True, "url": cluster.url, "key_prefix": prefix,
                 "cluster_seeds": [f"127.0.0.1:{p}" for p in cluster.ports[1:]]}
     if kind == "mooncake":
-        settings = request.getfixturevalue("mooncake_segment")
+        settings = request.getfixturevalue("mooncake_holder")
         return {"kind": "mooncake", "name": "store", **settings, "key_prefix": prefix, "global_segment_size": 0}
     s3 = request.getfixturevalue("seaweedfs")
     return {"kind": "s3", "name": "store", **s3.settings(key_prefix=prefix)}

@@ -97,22 +97,6 @@ def storage(request: pytest.FixtureRequest, tmp_path: Path) -> Storage:
                                 "global_segment_size": 0, "timeout_s": 5.0})
 
 
-@pytest.fixture(scope="session")
-def mooncake_holder(mooncake_cluster: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """A client that mounts a segment for the whole session, so pages outlive the caches that wrote them
-    (Mooncake keeps an object in the memory of a live client; caches here mount none of their own)."""
-    import anyio
-
-    from hicache.tiers.storage.mooncake import MooncakeBackend
-
-    holder = MooncakeBackend(**(mooncake_cluster | {"global_segment_size": 256 * 1024**2, "key_prefix": "holder"}))
-    anyio.run(holder.open)
-    try:
-        yield mooncake_cluster
-    finally:
-        anyio.run(holder.aclose)
-
-
 @pytest.fixture(scope="package", autouse=True)
 def busy_machine() -> Iterator[None]:
     """Two processes burning a core each, beside every pressure test (the machine is shared)."""
