@@ -228,3 +228,33 @@ def test_metrics_needs_the_metrics_extra_or_says_so(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "prometheus_client" else real(n, *a))
     with pytest.raises(SystemExit, match="hicache\\[metrics\\]"):
         bench(tmp_path, "multiturn", "--configs", "no-cache", "--metrics")
+
+
+def test_repeats_alternate_the_order_and_keep_warm_restart_after_hierarchical() -> None:
+    from hicache.bench.repeats import run_order
+
+    assert run_order(["no-cache", "oracle", "memory"], 3) == [
+        ["no-cache", "oracle", "memory"], ["memory", "oracle", "no-cache"], ["no-cache", "oracle", "memory"]]
+    assert run_order(["oracle", "hierarchical", "warm-restart", "memory"], 2) == [
+        ["oracle", "hierarchical", "warm-restart", "memory"], ["memory", "hierarchical", "warm-restart", "oracle"]]
+    assert run_order(["oracle", "hierarchical"], 1) == [["oracle", "hierarchical"]]
+
+
+@pytest.mark.slow
+def test_repeats_pool_every_run_and_report_each_ones_ratios(tmp_path: Path) -> None:
+    report = bench(tmp_path, "multiturn", "--num-clients", "2", "--num-rounds", "3", "--request-length", "40",
+                   "--output-length", "2", "--configs", "oracle,memory", "--host-fraction", "1.5",
+                   "--no-plot", "--repeat", "2")
+    assert [r["order"] for r in report["repeats"]] == [["oracle", "memory"], ["memory", "oracle"]]
+    for name in ("oracle", "memory"):
+        s, records = report["summary"][name], report["configurations"][name]["records"]
+        assert s["requests"] == 12 and s["repeats"] == 2 and sorted({r["repeat"] for r in records}) == [0, 1]
+        assert s["outputs_differ_from_oracle"] == 0
+        # the pooled mean is the mean of the repeats' means (each repeat serves the same requests)
+        each = [r["ttft_mean_s"][name] for r in report["repeats"]]
+        assert s["ttft_s"]["mean"] == pytest.approx(sum(each) / 2)
+        assert s["duration_s"] < sum(r["finished_s"] for r in records)  # summed per run, not across clocks
+    ratios = [r["targets"]["ttft_memory_over_oracle"]["value"] for r in report["repeats"]]
+    assert all(v > 0 for v in ratios) and report["targets"]["ttft_memory_over_oracle"]["value"] == pytest.approx(
+        report["summary"]["memory"]["ttft_s"]["mean"] / report["summary"]["oracle"]["ttft_s"]["mean"])
+    assert len(report["configurations"]["memory"]["cache_stats_by_repeat"]) == 2

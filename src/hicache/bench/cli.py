@@ -1,7 +1,8 @@
 """``hicache bench multiturn|long-context|vllm``: run the configurations on one trace, compare them.
 
-Each configuration runs in its own process (``hicache.bench.worker``), in the order given; the
-parent prints the table, writes ``results.json`` and ``plot.png`` into ``--out``.
+Each configuration runs in its own process (``hicache.bench.worker``), in the order given (with
+``--repeat N``, N times in alternating order: ``repeats.py``); the parent prints the table,
+writes ``results.json`` and ``plot.png`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from .models import MODELS
 from .profiling import cpu_pressure
+from .repeats import format_repeats, per_repeat, pool, run_order, spread, summarise_runs
 from .report import (
     add_oracle_ratios,
     check_targets,
@@ -31,7 +33,6 @@ from .report import (
     format_table,
     outputs_of,
     plot,
-    summarise,
 )
 from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing
 from .vllm_bench import add_parser as add_vllm_parser
@@ -68,6 +69,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="write each configuration's Prometheus metrics (the cache's and the engine's, as "
                         "scraped at the end of its run) to metrics-<configuration>.prom in --out "
                         "(needs the metrics extra)")
+    g.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the configurations N times, in alternating order (as given, reversed, ...), and "
+                        "pool each one's requests, so the machine's drift weighs on all alike (default: 1)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -140,6 +144,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGURATIONS)}")
     if "warm-restart" in configs and ("hierarchical" not in configs or configs.index("hierarchical") > configs.index("warm-restart")):
         raise SystemExit("warm-restart reuses the file tier that hierarchical leaves: run hierarchical before it")
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
     if args.metrics and importlib.util.find_spec("prometheus_client") is None:
         raise SystemExit("--metrics needs prometheus-client: pip install 'hicache[metrics]'")
     out = Path(args.out or f"bench-results/{args.benchmark}-{args.model}").resolve()
@@ -148,19 +154,25 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     workload = base.make_workload()
     print(f"hicache bench {args.benchmark}: model {args.model} ({MODELS[args.model].description})", file=sys.stderr)
     print(f"  workload {workload}; {workload.requests} requests, {workload.kv_tokens():,} tokens of KV", file=sys.stderr)
-    results: dict[str, dict[str, Any]] = {}
-    for name in configs:
-        spec = RunSpec(**{**asdict(base), "configuration": name})
-        results[name] = _run_worker(spec)
-    summaries = {name: summarise(r["records"], r["wall_s"]) for name, r in results.items()}
+    orders = run_order(configs, args.repeat)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    for k, order in enumerate(orders):
+        if args.repeat > 1:
+            print(f"  repeat {k + 1} of {args.repeat}: {' '.join(order)}", file=sys.stderr)
+        for name in order:
+            spec = RunSpec(**{**asdict(base), "configuration": name})
+            runs[name].append(_run_worker(spec))
+    results = {name: pool(rs) for name, rs in runs.items()}
+    summaries = {name: summarise_runs(rs) for name, rs in runs.items()}
     add_oracle_ratios(summaries)
     for name, r in results.items():
         summaries[name]["cpu_pressure"] = {"before": r["machine"]["cpu_pressure_before"],
                                            "after": r["machine"]["cpu_pressure_after"]}
-    reference = outputs_of(results[configs[0]]["records"])
-    for name, r in results.items():
-        mine = outputs_of(r["records"])
-        summaries[name]["outputs_differ_from_" + configs[0]] = sum(1 for k, v in mine.items() if reference.get(k) != v)
+    reference = outputs_of(runs[configs[0]][0]["records"])
+    for name, rs in runs.items():
+        summaries[name]["outputs_differ_from_" + configs[0]] = sum(
+            1 for r in rs for k, v in outputs_of(r["records"]).items() if reference.get(k) != v)
+    repeats = per_repeat(runs, orders) if args.repeat > 1 else []
     tiers = sorted({t for s in summaries.values() for t in s["hit_rate_by_tier"]}, key=_tier_order)
     report = {
         "benchmark": args.benchmark,
@@ -175,11 +187,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "summary": summaries,
         "targets": check_targets(summaries),
+        "repeats": repeats,
         "configurations": results,
     }
     (out / "results.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
     print(format_table(summaries, tiers))
     print()
+    if repeats:
+        print(f"each repeat (mean TTFT, ms; the table above pools all {args.repeat}):")
+        print(format_repeats(repeats))
+        print()
     pressure = ", ".join(
         f"{n} {_avg60(s['cpu_pressure']['before'])}-{_avg60(s['cpu_pressure']['after'])}" for n, s in summaries.items()
     )
@@ -201,7 +218,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if report["targets"]:
         print()
         for key, t in report["targets"].items():
-            print(f"  {key}: {t['value']:.2f} (target {t['target']}): {'met' if t['met'] else 'MISSED'}")
+            each = ""
+            if repeats:
+                values, met = spread(repeats, key)
+                each = f"; each repeat: {', '.join(f'{v:.2f}' for v in values)} (met in {met} of {len(values)})"
+            print(f"  {key}: {t['value']:.2f} (target {t['target']}): {'met' if t['met'] else 'MISSED'}{each}")
     if args.metrics:
         print()
         for name in configs:
