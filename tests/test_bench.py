@@ -161,6 +161,20 @@ async def test_the_oracle_serves_every_computed_page_and_the_same_answers() -> N
     assert outputs["oracle"] == outputs["no-cache"]
 
 
+def test_the_oracle_keeps_pages_in_a_preallocated_arena_that_grows() -> None:
+    import torch
+
+    from hicache.bench.oracle import PageArena
+
+    arena = PageArena((2, 3), torch.float32, torch.device("cpu"), pages=2)
+    pages = {bytes([i]): torch.full((2, 3), float(i)) for i in range(5)}
+    for key, page in pages.items():
+        arena.keep(key, page)
+        arena.keep(key, page + 100)  # a key kept once: the first copy stays
+    assert len(arena) == 5 and arena.kept_bytes == 5 * 6 * 4
+    assert all(torch.equal(arena[k], p) for k, p in pages.items()) and b"x" not in arena
+
+
 def test_the_oracle_clock_does_not_advance_while_stopped() -> None:
     clock = StoppableClock()
     start = clock()

@@ -68,11 +68,21 @@ async def test_a_prefix_restored_from_the_device_gives_the_logits_of_a_full_pref
         assert_consistent(cache)
 
 
-@pytest.mark.parametrize("segments", [True, False], ids=["segment-attention", "copy-into-model-cache"])
-async def test_a_prefix_restored_from_the_host_gives_the_logits_of_a_full_prefill(segments: bool) -> None:
+#: how the restored prefix reaches the attention: copied into the model's cache and attended with
+#: segment attention (the CPU default), left in the device pages (``attend_in_pages``), or copied
+#: for the model's own attention
+MODES = pytest.mark.parametrize("mode", [
+    {"segment_attention": True},
+    {"segment_attention": True, "attend_in_pages": True},
+    {"segment_attention": False},
+], ids=["segment-attention", "in-device-pages", "model-attention"])
+
+
+@MODES
+async def test_a_prefix_restored_from_the_host_gives_the_logits_of_a_full_prefill(mode: dict) -> None:
     tokens = prompt(130, seed=2)
     async with HiCache.from_config(lm_config(MODEL, None, device_pages=8)) as cache:
-        lm = CachedCausalLM(MODEL, cache, segment_attention=segments)
+        lm = CachedCausalLM(MODEL, cache, **mode)
         await run(lm, tokens[:100])  # 6 pages
         await cache.wait_idle()  # backed up to the host
         await run(lm, prompt(130, seed=3))  # 8 pages: the first prompt's pages leave the device
@@ -120,8 +130,8 @@ async def test_a_fully_cached_prompt_recomputes_its_last_token() -> None:
         assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
 
 
-@pytest.mark.parametrize("segments", [True, False], ids=["segment-attention", "copy-into-model-cache"])
-async def test_greedy_answers_are_the_same_with_and_without_the_cache(tmp_path: Path, segments: bool) -> None:
+@MODES
+async def test_greedy_answers_are_the_same_with_and_without_the_cache(tmp_path: Path, mode: dict) -> None:
     """A three-turn chat under a cache so small that every turn restores from another tier."""
     config = lm_config(MODEL, tmp_path / "pages", device_pages=6, host_pages=6)
     turns = [prompt(70, seed=s) for s in (10, 11, 12)]
@@ -130,7 +140,7 @@ async def test_greedy_answers_are_the_same_with_and_without_the_cache(tmp_path: 
         history: list[int] = []
         answers[name] = []
         async with HiCache.from_config(config) as cache:
-            lm = CachedCausalLM(MODEL, cache if name == "cache" else None, segment_attention=segments)
+            lm = CachedCausalLM(MODEL, cache if name == "cache" else None, **mode)
             for turn in turns:
                 history += turn
                 out, seq = await run(lm, history, new_tokens=4)
@@ -189,14 +199,11 @@ async def test_a_sequence_started_without_lookup_still_reads_the_file_tier(tmp_p
         assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
 
 
-MODES = pytest.mark.parametrize("segments", [True, False], ids=["segment-attention", "copy-into-model-cache"])
-
-
 @MODES
-async def test_a_prefix_over_scattered_device_pages_is_restored_in_place(segments: bool) -> None:
+async def test_a_prefix_over_scattered_device_pages_is_restored_in_place(mode: dict) -> None:
     tokens = prompt(140, seed=16)
     async with HiCache.from_config(lm_config(MODEL, None)) as cache:
-        lm = CachedCausalLM(MODEL, cache, segment_attention=segments)
+        lm = CachedCausalLM(MODEL, cache, **mode)
         await run(lm, tokens[:64])  # pages 0-3
         await run(lm, prompt(64, seed=17))  # pages 4-7: the next pages of `tokens` go elsewhere
         await run(lm, tokens[:129])  # pages 8-11
@@ -204,13 +211,13 @@ async def test_a_prefix_over_scattered_device_pages_is_restored_in_place(segment
         assert seq.cached_tokens == 128 and len(seq._runs) == 2  # two runs of consecutive pages
         assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens), atol=1e-5)
         assert seq.stages["prefill_compute"] > 0 and seq.stages["retrieve"] > 0
-        assert (seq.stages["restore_copy"] > 0) == (not segments)  # segment attention copies nothing
+        assert (seq.stages["restore_copy"] > 0) == (not mode.get("attend_in_pages"))  # in the pages: no copies
 
 
 @MODES
-async def test_a_sequence_longer_than_its_model_cache_grows_it(segments: bool) -> None:
+async def test_a_sequence_longer_than_its_model_cache_grows_it(mode: dict) -> None:
     tokens = prompt(40, seed=18)
-    lm = CachedCausalLM(MODEL, None, segment_attention=segments)
+    lm = CachedCausalLM(MODEL, None, **mode)
     async with lm.sequence(tokens, max_new_tokens=1) as seq:  # a buffer of 128 tokens
         out = [await seq.prefill()]
         for _ in range(130):
@@ -263,3 +270,8 @@ def test_segment_attention_is_only_switched_on_for_our_own_forwards() -> None:
     anyio.run(run, lm, tokens)
     assert MODEL.config._attn_implementation == impl  # the model is left as it was
     assert torch.allclose(full_prefill_logits(MODEL, tokens), full_prefill_logits(tiny_model(), tokens))
+
+
+def test_attending_in_the_device_pages_needs_segment_attention() -> None:
+    with pytest.raises(UnsupportedModelError, match="attend_in_pages"):
+        CachedCausalLM(MODEL, None, segment_attention=False, attend_in_pages=True)

@@ -2,7 +2,7 @@
 
 * ``cpu_pressure()``: ``/proc/pressure/cpu`` (the share of time runnable tasks waited for a CPU),
   so every figure carries how busy the shared machine was.
-* ``process_times()``: this process's user and system CPU seconds.
+* ``process_times()``: this process's user and system CPU seconds, page faults, context switches.
 * ``thread_times()``: CPU seconds per live thread, named after its Python thread where it has one
   (torch's OpenMP threads have none), to see which threads compete with the model.
 * ``torch_profile(on)``: ``torch.profiler`` over a block; ``result`` holds the top operators.
@@ -40,8 +40,11 @@ def cpu_pressure() -> dict[str, float] | None:
 
 
 def process_times() -> dict[str, float]:
+    """CPU seconds, page faults (minor: a page mapped or zeroed; major: read from disk) and context
+    switches (voluntary: waits; involuntary: preempted) of this process so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
-    return {"user_s": r.ru_utime, "system_s": r.ru_stime}
+    return {"user_s": r.ru_utime, "system_s": r.ru_stime, "minor_faults": r.ru_minflt, "major_faults": r.ru_majflt,
+            "voluntary_switches": r.ru_nvcsw, "involuntary_switches": r.ru_nivcsw}
 
 
 def thread_times() -> dict[str, float]:

@@ -103,7 +103,7 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
     async def serve(cache: HiCache | None) -> tuple[list[Any], float]:
         nonlocal oracle
         if spec.configuration == "oracle":
-            oracle = OracleLM(model, page_size)
+            oracle = OracleLM(model, page_size, expected_tokens=workload.kv_tokens())
             lm: Any = oracle
             clock, cpu_clock = oracle.clock, oracle.cpu_clock
         else:

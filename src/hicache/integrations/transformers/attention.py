@@ -1,12 +1,14 @@
 """Attention over KV in pieces: the cached prefix where it lies, the sequence's own tokens in its buffer.
 
-A restored prefix need not be copied into the model's cache: on the CPU, ``PrefixCache`` hands the
-attention *views* of the cache's device pages (one per run of consecutive pages) and the buffer
-holding the tokens the model computed. ``segment_attention`` attends over each piece with
-``torch``'s flash kernel for the CPU, which also returns the log-sum-exp of each query's scores, and
-merges the pieces exactly (the rescaling of flash-decoding): ``out = sum_i exp(lse_i - lse) out_i``.
+On the CPU ``CachedCausalLM`` attends with ``segment_attention``: torch's flash kernel for the CPU,
+which also returns the log-sum-exp of each query's scores. Usually there is one piece, the
+sequence's buffer with the restored prefix copied in. With ``attend_in_pages=True`` the prefix is
+not copied: ``PrefixCache`` hands the attention *views* of the cache's device pages (one per run
+of consecutive pages) besides the buffer, and the pieces are merged exactly (the rescaling of
+flash-decoding): ``out = sum_i exp(lse_i - lse) out_i``. That saves the copy but costs a call and a
+merge per piece in every step; ``benchmarks/prefix_attention.py`` measures which wins.
 
-Grouped-query attention needs no copies of K and V either: the query heads that share a KV head
+Grouped-query attention needs no copies of K and V: the query heads that share a KV head
 are stacked along the query axis (``[B, Hkv, g * T, D]``), against the ``repeat_kv`` copies of
 transformers' SDPA path. Only the sequence's own piece needs a mask (causal, offset by the tokens
 computed before this step); a piece of the prefix is seen whole by every query.

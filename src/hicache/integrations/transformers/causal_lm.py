@@ -52,9 +52,13 @@ class CachedCausalLM:
     restores every layer before the forward instead of as the forward reaches it.
     ``yield_to_prefills`` (default) makes the cache's backups and storage writes wait while a
     prefill computes (at most ``controller.yield_max_s`` at a time), so they do not compete with it
-    for the cores. ``segment_attention`` (default: where it runs, the CPU) attends over the
-    restored prefix where it lies, in the cache's device pages, instead of copying it into the
-    model's cache (``attention.py``); ``False`` copies it and keeps the model's own attention.
+    for the cores. ``segment_attention`` (default: where it runs, the CPU) attends with
+    ``attention.py``'s kernel (grouped-query attention without ``repeat_kv`` copies); ``False``
+    keeps the model's own attention. The restored prefix is copied into the model's cache, page
+    run by page run, as the forward reaches each layer; ``attend_in_pages=True`` (segment
+    attention only) attends over it where it lies in the device pages instead. That saves the
+    copy but costs more than it saves on the CPU: a flash call and a merge per run of pages, in
+    every layer of the prefill and of every decode step (``benchmarks/prefix_attention.py``).
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class CachedCausalLM:
         layerwise: bool = True,
         yield_to_prefills: bool = True,
         segment_attention: bool | None = None,
+        attend_in_pages: bool = False,
     ) -> None:
         self.model = model.eval()
         self.cache = cache
@@ -85,6 +90,9 @@ class CachedCausalLM:
         if segment_attention and not available:
             raise UnsupportedModelError(f"segment attention runs on the CPU only (the model is on {self.device})")
         self.segments = available if segment_attention is None else segment_attention
+        if attend_in_pages and not self.segments:
+            raise UnsupportedModelError("attend_in_pages needs segment attention (the CPU)")
+        self.attend_in_pages = attend_in_pages
         cfg = model.config
         text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
         self.vocab_size: int | None = getattr(text, "vocab_size", None)
@@ -250,12 +258,12 @@ class Sequence:
 
     def _model_cache(self, lazy: bool) -> PrefixCache:
         """The model's cache for this prompt; the prefix is put in place as the forward reaches each
-        layer (``lazy``) or now: as views of the device pages (segment attention) or copied in."""
+        layer (``lazy``) or now: copied in, or as views of the device pages (``attend_in_pages``)."""
         n = self.cached_tokens
         lm = self.lm
         kwargs: dict[str, Any] = {}
         if n > 0:
-            kwargs = {"prefix": self._prefix_views} if lm.segments else {"restore": self._restore_layer}
+            kwargs = {"prefix": self._prefix_views} if lm.attend_in_pages else {"restore": self._restore_layer}
         return PrefixCache(lm.model.config, self._live(), lm.spec.num_layers, restored=n, segments=lm.segments,
                            lazy=lazy, **kwargs)
 

@@ -9,7 +9,7 @@ part. A sequence that outgrows its buffer moves that layer to a larger one (doub
 
 The restored prefix reaches the model in one of two ways:
 
-* ``prefix`` (segment mode, on the CPU): not copied at all. Layer ``i`` gets views of the cache's
+* ``prefix`` (segment mode, ``attend_in_pages``): not copied at all. Layer ``i`` gets views of the cache's
   device pages the first time the forward writes layer ``i``, and ``update`` returns ``Segments``
   (those views and the buffer's own tokens) for ``segment_attention`` (``attention.py``).
 * ``restore`` (copy mode): layer ``i``'s prefix is copied into the buffer the first time the
