@@ -272,3 +272,52 @@ def test_repeats_pool_every_run_and_report_each_ones_ratios(tmp_path: Path) -> N
     assert all(v > 0 for v in ratios) and report["targets"]["ttft_memory_over_oracle"]["value"] == pytest.approx(
         report["summary"]["memory"]["ttft_s"]["mean"] / report["summary"]["oracle"]["ttft_s"]["mean"])
     assert len(report["configurations"]["memory"]["cache_stats_by_repeat"]) == 2
+
+
+async def test_lockstep_alternates_the_order_each_round_and_skips_the_finished() -> None:
+    import anyio
+
+    from hicache.bench.interleave import Lockstep
+
+    lockstep = Lockstep(["a", "b", "c"])
+    turns: list[str] = []
+
+    async def client(name: str, requests: int) -> None:
+        for _ in range(requests):
+            await lockstep.acquire(name)
+            turns.append(name)
+            await anyio.sleep(0)  # others try to cut in meanwhile
+            lockstep.release(name)
+        lockstep.finished(name)
+
+    async with anyio.create_task_group() as tg:
+        for name, requests in (("c", 3), ("b", 3), ("a", 2)):  # started out of order; a leaves early
+            tg.start_soon(client, name, requests)
+    assert turns == ["a", "b", "c", "c", "b", "a", "b", "c"]
+
+
+@pytest.mark.slow
+def test_interleaved_configurations_take_turns_in_one_process(tmp_path: Path) -> None:
+    report = bench(tmp_path, "multiturn", "--num-clients", "2", "--num-rounds", "3", "--request-length", "40",
+                   "--output-length", "2", "--configs", "no-cache,oracle,hierarchical", "--sequential",
+                   "--interleave", "--no-plot")
+    runs = report["configurations"]
+    for name in ("no-cache", "oracle", "hierarchical"):
+        assert runs[name]["interleaved_with"] == ["no-cache", "oracle", "hierarchical"]
+        assert report["summary"][name]["requests"] == 6 and report["summary"][name]["outputs_differ_from_no-cache"] == 0
+        assert report["summary"][name]["duration_s"] == pytest.approx(runs[name]["wall_s"])  # its own turns
+    assert report["summary"]["hierarchical"]["hit_rate"] > 0.3
+    assert len(runs["hierarchical"]["drain_s"]) == 6 and runs["hierarchical"]["cache_stats"]["stores"] > 0
+    # request k of every configuration, one after the other, in alternating order
+    starts = {name: runs[name]["turn_started_s"] for name in runs}
+    for k in range(6):
+        order = sorted(runs, key=lambda name: starts[name][k])
+        assert order == (["no-cache", "oracle", "hierarchical"] if k % 2 == 0 else ["hierarchical", "oracle", "no-cache"])
+        assert k == 5 or max(s[k] for s in starts.values()) < min(s[k + 1] for s in starts.values())
+
+
+def test_interleave_says_what_it_needs(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--sequential"):
+        bench(tmp_path, "multiturn", "--configs", "no-cache,oracle", "--interleave")
+    with pytest.raises(SystemExit, match="warm-restart"):
+        bench(tmp_path, "multiturn", "--configs", "hierarchical,warm-restart", "--interleave", "--sequential")

@@ -72,6 +72,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run the configurations N times, in alternating order (as given, reversed, ...), and "
                         "pool each one's requests, so the machine's drift weighs on all alike (default: 1)")
+    g.add_argument("--interleave", action="store_true",
+                   help="with --sequential: the configurations in one process, taking turns request by request "
+                        "(alternating order), each request followed by its cache's background work; ratios then "
+                        "compare requests seconds apart (not warm-restart, --profile or --metrics)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -146,6 +150,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("warm-restart reuses the file tier that hierarchical leaves: run hierarchical before it")
     if args.repeat < 1:
         raise SystemExit("--repeat must be at least 1")
+    if args.interleave:
+        if not args.sequential:
+            raise SystemExit("--interleave needs --sequential (configurations take turns one request at a time)")
+        if "warm-restart" in configs or args.profile or args.metrics:
+            raise SystemExit("--interleave runs without warm-restart (it needs a fresh process), --profile and --metrics")
     if args.metrics and importlib.util.find_spec("prometheus_client") is None:
         raise SystemExit("--metrics needs prometheus-client: pip install 'hicache[metrics]'")
     out = Path(args.out or f"bench-results/{args.benchmark}-{args.model}").resolve()
@@ -159,6 +168,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for k, order in enumerate(orders):
         if args.repeat > 1:
             print(f"  repeat {k + 1} of {args.repeat}: {' '.join(order)}", file=sys.stderr)
+        if args.interleave:
+            together = _run_worker(RunSpec(**{**asdict(base), "configuration": "interleaved", "interleave": order}))
+            for name in order:
+                runs[name].append(together[name])
+            continue
         for name in order:
             spec = RunSpec(**{**asdict(base), "configuration": name})
             runs[name].append(_run_worker(spec))
@@ -202,6 +216,11 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     )
     print(f"CPU pressure (/proc/pressure/cpu some avg60, %, at start-end of each): {pressure}")
     print()
+    drains = {n: s["drain_s"] for n, s in summaries.items() if s.get("drain_s")}
+    if drains:
+        print("background work after each request (interleaved turns wait for it; mean / max ms): "
+              + ", ".join(f"{n} {d['mean'] * 1e3:,.1f} / {d['max'] * 1e3:,.1f}" for n, d in drains.items()))
+        print()
     print("where the time goes (mean ms per request; `other`: TTFT no stage timer covers):")
     print(format_stages(summaries))
     print()

@@ -9,10 +9,9 @@ Its TTFT is the limit a prefix cache can reach on the trace; the other configura
 against it.
 
 The kept pages live in one preallocated, pre-touched arena (``PageArena``), like the cache's own
-pools: a page is a slot in it, not a fresh tensor. Keeping each page as its own allocation cost
-the oracle's *timed* forwards page faults (the heap grows by hundreds of 0.7 MiB chunks, and the
-forwards' own temporaries then come back as fresh, faulting memory): 2.8x the page faults and
-+50 ms of system time per request, which made the limit slower than the cache it measures.
+pools: a page is a slot in it, not a fresh tensor. Keeping each page as its own allocation (the
+heap growing by hundreds of 0.7 MiB chunks) doubled the oracle process's page faults on the
+issue-12 trace (194k against 98k a run).
 """
 
 from __future__ import annotations

@@ -37,15 +37,22 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's summary over all its repeats: every request of every repeat pooled.
 
     Each run's clock starts anew, so durations (and the throughputs drawn from them) are summed
-    over the runs, not taken from the first arrival to the last token across them.
+    over the runs, not taken from the first arrival to the last token across them; an interleaved
+    run's duration is its own turns' time (``interleave.py``).
     """
     records = [r for run in runs for r in run["records"]]
     summary = summarise(records, sum(run["wall_s"] for run in runs))
-    if len(runs) > 1:
-        duration = sum(summarise(run["records"], run["wall_s"])["duration_s"] for run in runs)
+    interleaved = any(run.get("interleaved_with") for run in runs)
+    if len(runs) > 1 or interleaved:
+        # interleaved: the records' clock also ran through the other configurations' turns
+        duration = sum(run["wall_s"] if interleaved else summarise(run["records"], run["wall_s"])["duration_s"]
+                       for run in runs)
         summary["duration_s"] = duration
         summary["input_tok_s"] = summary["input_tokens"] / duration
         summary["output_tok_s"] = summary["output_tokens"] / duration
+    if interleaved:
+        drains = [d for run in runs for d in run.get("drain_s", [])]
+        summary["drain_s"] = {"mean": sum(drains) / len(drains), "max": max(drains)} if drains else None
     summary["repeats"] = len(runs)
     return summary
 

@@ -55,6 +55,7 @@ class RunSpec:
     profile: bool = False  # torch.profiler over the run: the top operators go into the result
     yield_to_prefills: bool = True  # the cache's background work waits while a prefill computes
     metrics: bool = False  # write the run's Prometheus metrics to ``metrics-<configuration>.prom``
+    interleave: list[str] = field(default_factory=list)  # these configurations in one process, taking turns
 
     def make_workload(self) -> MultiTurn | LongContext:
         kind = MultiTurn if self.benchmark == "multiturn" else LongContext
@@ -71,26 +72,51 @@ def _warm_up(model: Any, vocab: int) -> None:
         model(input_ids=torch.arange(100, 164).remainder(vocab).unsqueeze(0), use_cache=False, logits_to_keep=1)
 
 
+@dataclass
+class _Setup:
+    """What every configuration of a run shares: the model, the trace and the sizes."""
+
+    model: Any
+    vocab: int
+    workload: MultiTurn | LongContext
+    page_size: int
+    kv_budget: int
+    driver: DriverSettings
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> _Setup:
+        model = load_model(spec.model, seed=spec.seed)
+        vocab = model.config.get_text_config().vocab_size
+        workload = spec.make_workload()
+        page_size = load_config(spec.config_path, env={"HICACHE_BENCH_PAGES": spec.pages_dir}).page_size
+        kv_budget = device_tokens(workload.kv_tokens(), Sizing(**spec.sizing), page_size)
+        _warm_up(model, vocab)
+        return cls(model, vocab, workload, page_size, kv_budget, DriverSettings(**{**spec.driver, "page_size": page_size}))
+
+    def cache_config(self, spec: RunSpec, name: str) -> Any:
+        if name == "hierarchical":
+            shutil.rmtree(spec.pages_dir, ignore_errors=True)  # starts cold; warm-restart then finds it
+        return cache_config(name, self.model, self.workload.kv_tokens(), Sizing(**spec.sizing), spec.config_path,
+                            spec.pages_dir)
+
+    def language_model(self, spec: RunSpec, name: str, cache: HiCache | None) -> tuple[Any, OracleLM | None]:
+        """The configuration's LM (the oracle's, or ``CachedCausalLM`` over ``cache``, ``None``: no cache)."""
+        if name == "oracle":
+            oracle = OracleLM(self.model, self.page_size, expected_tokens=self.workload.kv_tokens())
+            return oracle, oracle
+        return CachedCausalLM(self.model, cache, yield_to_prefills=spec.yield_to_prefills), None
+
+    def engine(self, spec: RunSpec, lm: Any, oracle: OracleLM | None, on_result: Any = None) -> Engine:
+        clock, cpu_clock = (oracle.clock, oracle.cpu_clock) if oracle is not None else (time.monotonic, time.process_time)
+        return Engine(lm, max_running=spec.max_running, max_kv_tokens=self.kv_budget, clock=clock,
+                      cpu_clock=cpu_clock, on_result=on_result)
+
+
 async def run_configuration(spec: RunSpec) -> dict[str, Any]:
-    model = load_model(spec.model, seed=spec.seed)
-    vocab = model.config.get_text_config().vocab_size
-    workload = spec.make_workload()
-    conversations = workload.conversations(vocab)
-    if spec.configuration == "hierarchical":
-        shutil.rmtree(spec.pages_dir, ignore_errors=True)  # starts cold; warm-restart then finds it
-    config = cache_config(
-        spec.configuration,
-        model,
-        workload.kv_tokens(),
-        Sizing(**spec.sizing),
-        spec.config_path,
-        spec.pages_dir,
-    )
-    page_size = load_config(spec.config_path, env={"HICACHE_BENCH_PAGES": spec.pages_dir}).page_size
-    kv_budget = device_tokens(workload.kv_tokens(), Sizing(**spec.sizing), page_size)
-    _warm_up(model, vocab)
-    driver = DriverSettings(**{**spec.driver, "page_size": page_size})
-    bar = _progress(spec, workload.requests)
+    setup = _Setup.of(spec)
+    conversations = setup.workload.conversations(setup.vocab)
+    config = setup.cache_config(spec, spec.configuration)
+    bar = _progress(spec, spec.configuration, setup.workload.requests)
 
     def on_done(record: Any) -> None:
         if bar is not None:
@@ -102,31 +128,20 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
 
     async def serve(cache: HiCache | None) -> tuple[list[Any], float]:
         nonlocal oracle
-        if spec.configuration == "oracle":
-            oracle = OracleLM(model, page_size, expected_tokens=workload.kv_tokens())
-            lm: Any = oracle
-            clock, cpu_clock = oracle.clock, oracle.cpu_clock
-        else:
-            lm = CachedCausalLM(model, cache, yield_to_prefills=spec.yield_to_prefills)
-            clock, cpu_clock = time.monotonic, time.process_time
+        lm, oracle = setup.language_model(spec, spec.configuration, cache)
         started = time.perf_counter()
         on_result = None
         if exporter is not None:
             exporter.attach(cache)
             on_result = exporter.engine.observe
-        async with Engine(lm, max_running=spec.max_running, max_kv_tokens=kv_budget, clock=clock,
-                          cpu_clock=cpu_clock, on_result=on_result) as engine:
+        async with setup.engine(spec, lm, oracle, on_result) as engine:
             if exporter is not None:
                 exporter.engine.bind(engine)
-            records = await drive(engine, conversations, driver, on_done)
+            records = await drive(engine, conversations, setup.driver, on_done)
         return records, time.perf_counter() - started
 
     stats: Any = None
-    machine: dict[str, Any] = {
-        "torch_threads": torch.get_num_threads(),
-        "torch_interop_threads": torch.get_num_interop_threads(),
-        "cpu_pressure_before": cpu_pressure(),
-    }
+    machine = _machine_before()
     trace = ActivityTrace()
     if spec.profile:
         install_trace(trace)
@@ -143,9 +158,7 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
                 stats = cache.stats()
                 if exporter is not None:
                     exporter.write()  # scraped while the cache is open: its final figures
-    machine["cpu_pressure_after"] = cpu_pressure()
-    machine["thread_cpu_s"] = thread_times()
-    machine["process_cpu_s"] = {k: v - times[k] for k, v in process_times().items()}
+    _machine_after(machine, times)
     if bar is not None:
         bar.close()
     return {
@@ -155,9 +168,94 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
         "cache_config": None if config is None else config.model_dump(mode="json"),
         "cache_stats": _jsonable(stats),
         "machine": machine,
-        "oracle": None if oracle is None else {"kept_bytes": oracle.kept_bytes, "clock_stopped_s": oracle.clock.stopped_s},
+        "oracle": _oracle_figures(oracle),
         "profile": {"torch": profile.result, "activity": trace.summary()} if spec.profile else None,
     }
+
+
+async def run_interleaved(spec: RunSpec) -> dict[str, dict[str, Any]]:
+    """``spec.interleave``'s configurations in this process, taking turns request by request
+    (``interleave.py``); one result per configuration, shaped as ``run_configuration``'s."""
+    from contextlib import AsyncExitStack
+
+    from .interleave import serve_interleaved
+
+    setup = _Setup.of(spec)
+    names = list(spec.interleave)
+    configs = {name: setup.cache_config(spec, name) for name in names}
+    caches: dict[str, HiCache] = {}
+    oracles: dict[str, OracleLM | None] = {}
+    bars = {name: _progress(spec, name, setup.workload.requests) for name in names}
+
+    async def open_engine(name: str, stack: AsyncExitStack) -> tuple[Engine, Any]:
+        config = configs[name]
+        cache = None if config is None else await stack.enter_async_context(HiCache.from_config(config))
+        if cache is not None:
+            caches[name] = cache
+        lm, oracles[name] = setup.language_model(spec, name, cache)
+        engine = await stack.enter_async_context(setup.engine(spec, lm, oracles[name]))
+        return engine, (None if cache is None else cache.wait_idle)
+
+    async def drive_one(name: str, engine: Any) -> list[Any]:
+        bar = bars[name]
+        return await drive(engine, setup.workload.conversations(setup.vocab), setup.driver,
+                           (lambda _r: bar.update(1)) if bar is not None else None)
+
+    machine = _machine_before()
+    times = process_times()
+    stats: dict[str, Any] = {}
+
+    async def open_and_keep_stats(name: str, stack: AsyncExitStack) -> tuple[Engine, Any]:
+        engine, drain = await open_engine(name, stack)
+        if name in caches:
+            cache = caches[name]
+            stack.push_async_callback(lambda: _keep_stats(cache, name, stats))
+        return engine, drain
+
+    served = await serve_interleaved(names, open_and_keep_stats, drive_one)
+    _machine_after(machine, times)
+    for bar in bars.values():
+        if bar is not None:
+            bar.close()
+    return {
+        name: {
+            "configuration": name,
+            "wall_s": served[name].busy_s,  # its own turns: as if it had run alone
+            "drain_s": served[name].drain_s,
+            "turn_started_s": served[name].turn_started_s,
+            "records": [dataclasses.asdict(r) for r in served[name].records],
+            "cache_config": None if configs[name] is None else configs[name].model_dump(mode="json"),
+            "cache_stats": _jsonable(stats.get(name)),
+            "machine": machine,
+            "oracle": _oracle_figures(oracles.get(name)),
+            "profile": None,
+            "interleaved_with": names,
+        }
+        for name in names
+    }
+
+
+async def _keep_stats(cache: HiCache, name: str, into: dict[str, Any]) -> None:
+    await cache.wait_idle()
+    into[name] = cache.stats()
+
+
+def _machine_before() -> dict[str, Any]:
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "torch_interop_threads": torch.get_num_interop_threads(),
+        "cpu_pressure_before": cpu_pressure(),
+    }
+
+
+def _machine_after(machine: dict[str, Any], times: dict[str, float]) -> None:
+    machine["cpu_pressure_after"] = cpu_pressure()
+    machine["thread_cpu_s"] = thread_times()
+    machine["process_cpu_s"] = {k: v - times[k] for k, v in process_times().items()}
+
+
+def _oracle_figures(oracle: OracleLM | None) -> dict[str, Any] | None:
+    return None if oracle is None else {"kept_bytes": oracle.kept_bytes, "clock_stopped_s": oracle.clock.stopped_s}
 
 
 class _MetricsExport:
@@ -184,12 +282,12 @@ class _MetricsExport:
         self.path.write_bytes(generate_latest(self.registry))
 
 
-def _progress(spec: RunSpec, total: int) -> Any:
+def _progress(spec: RunSpec, name: str, total: int) -> Any:
     if not spec.progress:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=f"{spec.configuration:>13}", unit="req", file=sys.stderr, dynamic_ncols=True)
+    return tqdm(total=total, desc=f"{name:>13}", unit="req", file=sys.stderr, dynamic_ncols=True)
 
 
 def _jsonable(value: Any) -> Any:
@@ -212,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hicache.bench.worker OUT.json < spec.json", file=sys.stderr)
         return 2
     spec = RunSpec(**json.loads(sys.stdin.read()))
-    result = anyio.run(run_configuration, spec)
+    result = anyio.run(run_interleaved if spec.interleave else run_configuration, spec)
     Path(argv[0]).write_text(json.dumps(result))
     return 0
 
