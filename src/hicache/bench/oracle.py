@@ -210,5 +210,5 @@ class OracleSequence(Sequence):
         self._kept = end
 
 
-def _in_place(layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+def _in_place(layer: int, kv: torch.Tensor) -> None:
     """The oracle's prefix is in the buffer already (put there with the clock stopped)."""

@@ -302,8 +302,9 @@ class Sequence:
             out.append((k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)))
         return out
 
-    def _restore_layer(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy layer ``layer`` of the prefix from the device pages into the model's cache."""
+    def _restore_layer(self, layer: int, kv: torch.Tensor) -> None:
+        """Copy layer ``layer`` of the prefix from the device pages into the model's cache
+        (``kv``: ``[2, 1, H, capacity, D]``), keys and values of a run of pages in one copy."""
         self._wait_layer(layer)
         pool = self._pool
         assert pool is not None
@@ -311,9 +312,8 @@ class Sequence:
         _, _, _, page_size, heads, dim = pool.shape
         for first, page, pages in self._runs:
             take = min(pages * page_size, self.cached_tokens - first)
-            for c, dst in enumerate((keys, values)):
-                src = pool[c, layer, page : page + pages].view(pages * page_size, heads, dim)[:take]
-                dst[0, :, first : first + take].copy_(src.transpose(0, 1))
+            src = pool[:, layer, page : page + pages].view(2, pages * page_size, heads, dim)[:, :take]
+            kv[:, 0, :, first : first + take].copy_(src.transpose(1, 2))
         self.stages["restore_copy"] += time.perf_counter() - started
 
     def _step(self, token: int) -> torch.Tensor:
