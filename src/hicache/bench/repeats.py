@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report import add_oracle_ratios, check_targets, summarise
+from .report import _grid, add_oracle_ratios, check_targets, summarise
 
 __all__ = ["format_repeats", "per_repeat", "pool", "run_order", "spread", "summarise_runs"]
 
@@ -45,8 +45,7 @@ def summarise_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     interleaved = any(run.get("interleaved_with") for run in runs)
     if len(runs) > 1 or interleaved:
         # interleaved: the records' clock also ran through the other configurations' turns
-        duration = sum(run["wall_s"] if interleaved else summarise(run["records"], run["wall_s"])["duration_s"]
-                       for run in runs)
+        duration = sum(run["wall_s"] if interleaved else _span(run["records"]) for run in runs)
         summary["duration_s"] = duration
         summary["input_tok_s"] = summary["input_tokens"] / duration
         summary["output_tok_s"] = summary["output_tokens"] / duration
@@ -101,10 +100,12 @@ def format_repeats(repeats: list[dict[str, Any]]) -> str:
     rows = [["repeat", "order", *[f"{n} TTFT" for n in names]]]
     for k, r in enumerate(repeats):
         rows.append([str(k + 1), " ".join(r["order"]), *[f"{r['ttft_mean_s'][n] * 1000:,.0f}" for n in names]])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return _grid(rows)
+
+
+def _span(records: list[dict[str, Any]]) -> float:
+    """One run's duration: its first arrival to its last token (as ``summarise`` counts it)."""
+    return max(max(r["finished_s"] for r in records) - min(r["arrival_s"] for r in records), 1e-9)
 
 
 def _pooled_profile(runs: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -183,18 +183,19 @@ async def run_interleaved(spec: RunSpec) -> dict[str, dict[str, Any]]:
     setup = _Setup.of(spec)
     names = list(spec.interleave)
     configs = {name: setup.cache_config(spec, name) for name in names}
-    caches: dict[str, HiCache] = {}
     oracles: dict[str, OracleLM | None] = {}
+    stats: dict[str, Any] = {}
     bars = {name: _progress(spec, name, setup.workload.requests) for name in names}
 
     async def open_engine(name: str, stack: AsyncExitStack) -> tuple[Engine, Any]:
         config = configs[name]
         cache = None if config is None else await stack.enter_async_context(HiCache.from_config(config))
-        if cache is not None:
-            caches[name] = cache
         lm, oracles[name] = setup.language_model(spec, name, cache)
         engine = await stack.enter_async_context(setup.engine(spec, lm, oracles[name]))
-        return engine, (None if cache is None else cache.wait_idle)
+        if cache is None:
+            return engine, None
+        stack.push_async_callback(_keep_stats, cache, name, stats)  # runs first on exit: every request done
+        return engine, cache.wait_idle
 
     async def drive_one(name: str, engine: Any) -> list[Any]:
         bar = bars[name]
@@ -203,16 +204,7 @@ async def run_interleaved(spec: RunSpec) -> dict[str, dict[str, Any]]:
 
     machine = _machine_before()
     times = process_times()
-    stats: dict[str, Any] = {}
-
-    async def open_and_keep_stats(name: str, stack: AsyncExitStack) -> tuple[Engine, Any]:
-        engine, drain = await open_engine(name, stack)
-        if name in caches:
-            cache = caches[name]
-            stack.push_async_callback(lambda: _keep_stats(cache, name, stats))
-        return engine, drain
-
-    served = await serve_interleaved(names, open_and_keep_stats, drive_one)
+    served = await serve_interleaved(names, open_engine, drive_one)
     _machine_after(machine, times)
     for bar in bars.values():
         if bar is not None:
