@@ -7,6 +7,10 @@ both tiers:
 * the device takes device *leaves* (no device-resident child), so device residency stays
   prefix-closed. A victim the write policy promised to the host and that has no host copy yet is
   spilled there first (batched, one copy in a worker thread); one whose backup is in flight waits.
+  Pages move by runs, not whole nodes: a victim larger than the host room it gets is split, and
+  its last pages (a run that fits) are spilled and leave the device; the rest stays a device leaf
+  for the next round. So a page can leave the device as soon as one page of host room can be had,
+  however large its node (a node larger than the whole host tier leaves it run by run).
 * the host takes host-only leaves first (the node leaves the tree), then host copies of nodes that
   are still on the device. A victim promised to storage and not written there yet is written first
   (batched, through the storage writer); one whose write is queued or in flight waits; one whose
@@ -175,11 +179,12 @@ class Evictor:
         kind: int,
         leave: Callable[[TreeNode], Verdict],
         drop: Callable[[TreeNode, Verdict], int],
-        copy_down: Callable[[list[TreeNode]], Awaitable[int]],
+        copy_down: Callable[[list[TreeNode], int], Awaitable[int]],
     ) -> tuple[int, bool]:
         """Drop victims of ``kind`` in policy order as ``leave`` (the residency rule) allows; those it
-        says must first be copied to the tier below go there in one batch (``copy_down``), then are
-        dropped if they still may be. Returns the pages freed and whether anything was copied."""
+        says must first be copied to the tier below go there in one batch (``copy_down``, told how
+        many pages are still wanted), then are dropped if they still may be. Returns the pages freed
+        and whether anything was copied."""
         candidates = self.candidates
         wanted = candidates.wanted(kind)
         candidates.refresh()
@@ -199,7 +204,7 @@ class Evictor:
                         candidates.refresh()  # its parent may be a candidate now
                     if freed + pending >= n_pages:
                         break
-            copied = await copy_down(to_copy) if to_copy else 0
+            copied = await copy_down(to_copy, n_pages - freed) if to_copy else 0
             for node in to_copy:
                 if wanted(node) and (verdict := leave(node)) in (Verdict.FREE, Verdict.LOST):
                     freed += drop(node, verdict)
@@ -220,10 +225,13 @@ class Evictor:
             self.tree.remove(node)
         return len(pages)
 
-    async def _spill(self, nodes: list[TreeNode]) -> int:
+    async def _spill(self, nodes: list[TreeNode], wanted: int) -> int:
         """Copy the device pages of ``nodes`` to new host pages in one batch; pages copied.
 
-        Nodes that find no host room (the host is full of pinned pages) stay on the device.
+        Whole nodes while the host has free room; beyond that, runs: host room is made (by evicting
+        the host) only for the ``wanted`` pages the eviction still needs, and a victim that gets
+        fewer pages than it has is split so that its last pages, as many as it got, are spilled
+        (``_tail_run``). Nodes that find no host room (the host is full of pinned pages) stay.
         """
         placed: list[tuple[TreeNode, list[bytes], list[int], Pin]] = []
         done = False
@@ -231,10 +239,16 @@ class Evictor:
             # Inside the try: reserving host room for a later victim may wait (a write to storage
             # first) and be cancelled; the victims placed by then must be released.
             for node in nodes:
-                host_pages = await self.alloc_host(node.num_pages, partial=True)
-                if len(host_pages) < node.num_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
+                ask = min(node.num_pages, max(wanted, self.host.free_pages))
+                host_pages = await self.alloc_host(ask, partial=True) if ask > 0 else []
+                if not host_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
                     self.host.allocator.free(host_pages)
                     continue
+                # Another call may have split the victim while we waited (it keeps the deepest pages).
+                node = self._tail_run(node, len(host_pages))
+                self.host.allocator.free(host_pages[node.num_pages :])
+                host_pages = host_pages[: node.num_pages]
+                wanted -= len(host_pages)
                 node.backing_up = True
                 placed.append((node, list(node.keys), host_pages, Pin(node, job=True)))
             if not placed:
@@ -266,6 +280,16 @@ class Evictor:
                 for covered, _, _ in self.tree.covering(node, keys):
                     await self.on_host_copy(covered)
         return len(dst)
+
+    def _tail_run(self, node: TreeNode, pages: int) -> TreeNode:
+        """The last ``pages`` pages of ``node`` as a node of their own (``node`` itself, split).
+
+        The split keeps the original node object as the suffix, so it stays a device leaf with
+        the same children; its prefix becomes its parent, a device leaf once the run has left.
+        """
+        if pages < node.num_pages:
+            self.tree.split(node, node.num_pages - pages)
+        return node
 
     # -- host -----------------------------------------------------------------------------------
 
@@ -301,8 +325,11 @@ class Evictor:
             self.tree.remove(node)
         return len(pages)
 
-    async def _write_to_storage(self, nodes: list[TreeNode]) -> int:
-        """Write the victims to storage before they are dropped (write-back, or a missed write-through)."""
+    async def _write_to_storage(self, nodes: list[TreeNode], wanted: int) -> int:
+        """Write the victims to storage before they are dropped (write-back, or a missed write-through).
+
+        Whole nodes: a write needs no room anywhere, so there is nothing to cut into runs.
+        """
         writer = self.storage_writer
         assert writer is not None
         jobs = [writer.prepare(nd) for nd in nodes]
