@@ -18,12 +18,16 @@ __all__ = ["BackupJob", "BoundedWait", "LoadJob", "StorageJob", "JobTracker"]
 
 @dataclass(eq=False)
 class BackupJob:
-    """Copy ``node``'s device pages to host (write policy backup)."""
+    """Copy ``node``'s device pages to host (write policy backup), by runs the host has room for.
+
+    ``done``: the leading pages of ``keys`` copied so far (each run became a node of its own).
+    """
 
     node: TreeNode
     keys: list[bytes]
     device_pages: list[int]
     pin: Pin
+    done: int = 0
 
 
 @dataclass(eq=False)
