@@ -118,3 +118,33 @@ async def test_an_eight_page_host_still_works(tmp_path: Path, caplog: pytest.Log
         assert _files(tmp_path) == PROMPT_PAGES
     assert cache.stats().lost_pages == 0
     assert "not written there" not in caplog.text
+
+
+@pytest.mark.parametrize("prefetch", ["wait_complete", "timeout"])
+async def test_a_retrieve_through_a_host_smaller_than_the_prefix_keeps_lookups_word(tmp_path: Path, prefetch: str) -> None:
+    """The prompt is only in storage; the host holds 2 of its 7 pages. The retrieve brings it up run
+    by run (prefetch a run to the host, load it to the device, its host pages go, the next run), so
+    it serves what ``lookup`` promised (it served 2 pages and said nothing: no short retrieve)."""
+    config = make_config(DEVICE, HOST, tiers={"storage": [
+        {"kind": "file", "name": "file", "path": str(tmp_path / "pages"), "fsync": "never"}]},
+        policies={"write": "write_through", "prefetch": prefetch, "prefetch_threshold_tokens": 0})
+    kv = make_kv(config, PROMPT_PAGES * PAGE, seed=6)
+    tokens = make_tokens(PROMPT_PAGES * PAGE, 6)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+        async with cache.reserve(DEVICE):  # the prompt leaves memory: only the file tier has it
+            pass
+        assert not list(cache.controller.tree.nodes())
+        hit = await cache.lookup(tokens)
+        assert hit.tokens == PROMPT_PAGES * PAGE and hit.by_tier["file"] == hit.tokens
+        async with cache.retrieve(tokens) as view:
+            assert view.tokens == hit.tokens, dict(view.by_tier)
+            assert view.by_tier["file"] == hit.tokens
+            for layer in range(config.model.num_layers):
+                await view.wait_layer(layer)
+                for c, part in enumerate(view.layer(layer)):
+                    assert part.equal(kv[c, layer]), f"layer {layer} component {c}: wrong KV"
+        await cache.wait_idle()
+        assert cache.stats().short_retrieves == 0
+        assert_consistent(cache)

@@ -291,30 +291,35 @@ class HiCache(anyio.AsyncContextManagerMixin):
         started = time.perf_counter()
         ctl.counters.retrieves += 1
         # Pages that only storage holds arrive in host memory first (as the prefetch policy allows).
-        await ctl.prefetcher.before_retrieve(tb)
+        more = await ctl.prefetcher.before_retrieve(tb)
         path = ctl.tree.match(tb, split=True).path
         pin = Pin(path[-1]) if path else None
         loaded = 0
         from_storage: dict[str, int] = {}
         try:
             jobs: list[LoadJob] = []
-            host_only = [nd for nd in path if nd.device is None]
-            if host_only:
-                dev = await ctl.evictor.alloc_device(sum(nd.num_pages for nd in host_only), partial=True)
-                # While we awaited, other calls may have split nodes of the path or started loading
-                # some of them; the pin kept them all, so re-derive the path from its deepest node.
-                path = ctl.tree.path_to(path[-1])
-                host_only = [nd for nd in path if nd.device is None]
-                path, host_only, dev = self._fit_load(path, host_only, dev)
-                if pin is not None and (not path or path[-1] is not pin.node):
-                    old, pin = pin, (Pin(path[-1]) if path else None)
-                    old.release()
-                if host_only:
-                    loaded = len(dev)
-                    from_storage = self._take_sources(host_only)
-                    jobs.append(await ctl.submit_load(host_only, dev, path[-1]))
-                    # Awaiting the queue let other calls split nodes again: re-derive once more.
-                    path = ctl.tree.path_to(pin.node if pin is not None else None)
+            while True:
+                path, pin, job, sources, cut = await self._load_host_part(path, pin)
+                if job is None:
+                    break
+                jobs.append(job)
+                loaded += len(job.device_pages)
+                for name, pages in sources.items():
+                    from_storage[name] = from_storage.get(name, 0) + pages
+                if more is None or pin is None or cut:
+                    break
+                # The prefetch stopped with the host full (a host tier smaller than the prefix): once
+                # this run is on the device its host copies may go, and the next run can come up.
+                await job.finished.wait()
+                if job.error is not None:
+                    break
+                more = await ctl.prefetcher.before_retrieve(tb, more)
+                longer = ctl.tree.match(tb, split=True).path
+                if sum(nd.num_pages for nd in longer) <= sum(nd.num_pages for nd in path):
+                    break
+                old, pin = pin, Pin(longer[-1])  # extends our pinned path (it was pinned throughout)
+                old.release()
+                path = longer
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
                 if job not in jobs:
                     jobs.append(job)
@@ -347,6 +352,42 @@ class HiCache(anyio.AsyncContextManagerMixin):
             read_layer=self._read_layer,
             check_open=ctl.check_open,
         )
+
+    async def _load_host_part(
+        self, path: list[TreeNode], pin: Pin | None
+    ) -> tuple[list[TreeNode], Pin | None, LoadJob | None, dict[str, int], bool]:
+        """Start loading the host-only part of ``path`` (pinned by ``pin``) into device pages.
+
+        Returns the path (shorter if the device is full of leased pages: ``_fit_load``), the pin
+        that holds it now, the load job (None: nothing to load), the pages it loads that a
+        prefetch brought from storage (by tier), and whether the path was cut short.
+        """
+        ctl = self.controller
+        host_only = [nd for nd in path if nd.device is None]
+        if not host_only:
+            return path, pin, None, {}, False
+        dev = await ctl.evictor.alloc_device(sum(nd.num_pages for nd in host_only), partial=True)
+        # While we awaited, other calls may have split nodes of the path or started loading
+        # some of them; the pin kept them all, so re-derive the path from its deepest node.
+        path = ctl.tree.path_to(path[-1])
+        host_only = [nd for nd in path if nd.device is None]
+        wanted = sum(nd.num_pages for nd in host_only)
+        path, host_only, dev = self._fit_load(path, host_only, dev)
+        cut = len(dev) < wanted
+        if pin is not None and (not path or path[-1] is not pin.node):
+            old, pin = pin, (Pin(path[-1]) if path else None)
+            old.release()
+        if not host_only:
+            return path, pin, None, {}, cut
+        sources = self._take_sources(host_only)
+        try:
+            job = await ctl.submit_load(host_only, dev, path[-1])
+        except BaseException:
+            if pin is not None:
+                pin.release()  # the caller holds the pin it passed (released already if replaced)
+            raise
+        # Awaiting the queue let other calls split nodes again: re-derive once more.
+        return ctl.tree.path_to(pin.node if pin is not None else None), pin, job, sources, cut
 
     def _time_retrieve(self, started: float, jobs: list[LoadJob]) -> None:
         """Observe when layer 0 and the last layer are usable: now, or when the loads say so."""

@@ -73,6 +73,9 @@ class Prefetch:
     arrived_pages: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
     cancelled: bool = False
+    #: It stopped because the host had no room left (every page there pinned, its own ones too):
+    #: a retrieve can take what arrived to the device, which makes room, and fetch the rest then.
+    out_of_room: bool = False
     _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope, repr=False)
     _done: anyio.Event = field(default_factory=anyio.Event, repr=False)
     _pin: Pin | None = field(default=None, repr=False)
@@ -242,29 +245,40 @@ class Prefetcher:
         ops = {id(op): op for op in list(self.running.values())}.values()
         return [op for op in ops if not op.done and any(t is tier for t, _, _ in op.segments)]
 
-    async def before_retrieve(self, tb: TokenBytes) -> None:
-        """Let storage pages of ``tb`` arrive as the policy allows, then end their prefetch."""
+    async def before_retrieve(self, tb: TokenBytes, deadline: float | None = None) -> float | None:
+        """Let storage pages of ``tb`` arrive as the policy allows, then end their prefetch.
+
+        Returns ``None``, or, when the prefetch stopped for want of host room before the policy's
+        wait was over (a host tier smaller than the prefix), the time until which that wait runs:
+        the retrieve loads what arrived to the device and calls again with it as ``deadline``, so
+        the rest comes up run by run through the host within the policy's one wait.
+        """
         if not self.tiers:
-            return
+            return None
         match = self.tree.match(tb)
         pb = self.page_size * TOKEN_BYTES
         if match.pages >= len(tb) // pb:
-            return
+            return None
         first_key = chain_keys(self._seed(match), tb[match.pages * pb : (match.pages + 1) * pb], self.page_size)[0]
         op = self.running.get(first_key)
         if op is None:
             if self.policy.wait_s(self.threshold_tokens) <= 0:
-                return  # best effort: only what a lookup already started can help
+                return None  # best effort: only what a lookup already started can help
             _, op = await self.lookup(tb, match, start=True, needed=True)
             if op is None:
-                return
+                return None
         started = anyio.current_time()
+        until = op.created + self.policy.wait_s(op.tokens)
+        if deadline is not None:
+            until = min(until, deadline)
         try:
-            wait = self.policy.wait_s(op.tokens)
-            await op.wait(None if math.isinf(wait) else op.created + wait - anyio.current_time())
+            await op.wait(None if math.isinf(until) else until - anyio.current_time())
         finally:
             op.cancel()
             self.counters.latency["prefetch_wait"].observe(anyio.current_time() - started)
+        if op.out_of_room and op.arrived_pages and anyio.current_time() < until:
+            return until
+        return None
 
     def cancel_all(self) -> None:
         for op in {id(op): op for op in self.running.values()}.values():
@@ -294,7 +308,8 @@ class Prefetcher:
         """
         pages = await self.alloc_host(min(tier.batch_pages * _PIPELINE_BATCHES, end - pos))
         if not pages:
-            return 0, False  # the host is full of pinned pages
+            op.out_of_room = True  # the host is full of pinned pages (maybe the ones it brought)
+            return 0, False
         published = 0
         attached = True
 
