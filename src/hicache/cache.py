@@ -294,32 +294,44 @@ class HiCache(anyio.AsyncContextManagerMixin):
         more = await ctl.prefetcher.before_retrieve(tb)
         path = ctl.tree.match(tb, split=True).path
         pin = Pin(path[-1]) if path else None
+        seen = _pages(path)  # the longest prefix memory held for us (what a trim may give up)
         loaded = 0
         from_storage: dict[str, int] = {}
+        short = False
         try:
+            path, pin, capped = self._trim_to_pin_room(path, pin)
             jobs: list[LoadJob] = []
+            room_wait = ctl.evictor.host_waiter()
             while True:
-                path, pin, job, sources, cut = await self._load_host_part(path, pin)
-                if job is None:
+                path, pin, job, sources, short = await self._load_host_part(path, pin)
+                if job is not None:
+                    jobs.append(job)
+                    loaded += len(job.device_pages)
+                    for name, pages in sources.items():
+                        from_storage[name] = from_storage.get(name, 0) + pages
+                if short or pin is None or (more is None and not capped):
                     break
-                jobs.append(job)
-                loaded += len(job.device_pages)
-                for name, pages in sources.items():
-                    from_storage[name] = from_storage.get(name, 0) + pages
-                if more is None or pin is None or cut:
-                    break
-                # The prefetch stopped with the host full (a host tier smaller than the prefix): once
-                # this run is on the device its host copies may go, and the next run can come up.
-                await job.finished.wait()
-                if job.error is not None:
-                    break
+                # Runs through a small host: the prefetch stopped with the host full, or we pinned
+                # only part of the host-only pages. Once this run is on the device its host pages
+                # may go, and the next run can come up (from memory, or from storage).
+                if job is not None:
+                    await job.finished.wait()
+                    if job.error is not None:
+                        break
+                elif not await room_wait.next():
+                    break  # leases hold the host, and nothing in flight will release any of it
                 more = await ctl.prefetcher.before_retrieve(tb, more)
                 longer = ctl.tree.match(tb, split=True).path
-                if sum(nd.num_pages for nd in longer) <= sum(nd.num_pages for nd in path):
+                seen = max(seen, _pages(longer))
+                if _pages(longer) <= _pages(path):
                     break
                 old, pin = pin, Pin(longer[-1])  # extends our pinned path (it was pinned throughout)
                 old.release()
-                path = longer
+                path, pin, capped = self._trim_to_pin_room(longer, pin)
+            if not short and _pages(path) < seen:
+                # A trim let pages go that did not come back (no storage tier had them).
+                ctl.counters.short_retrieves += 1
+                ctl.counters.short_retrieve_tokens += (seen - _pages(path)) * ps
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
                 if job not in jobs:
                     jobs.append(job)
@@ -352,6 +364,28 @@ class HiCache(anyio.AsyncContextManagerMixin):
             read_layer=self._read_layer,
             check_open=ctl.check_open,
         )
+
+    def _trim_to_pin_room(self, path: list[TreeNode], pin: Pin | None) -> tuple[list[TreeNode], Pin | None, bool]:
+        """Hold at most as many host-only pages of ``path`` as leases may pin (``Evictor.pin_room``):
+        pinned beyond that, they would keep the host from taking the device's spills, and so the
+        device from making room to load them. Returns the path kept, its pin, and whether it was cut."""
+        host_only = [nd for nd in path if nd.device is None]  # a suffix: device residency is prefix-closed
+        held = _pages(host_only)
+        room = self.controller.evictor.pin_room() + held  # our pin is among the leases counted
+        if held <= room:
+            return path, pin, False
+        kept = path[: len(path) - len(host_only)]
+        for node in host_only:
+            if room <= 0:
+                break
+            if node.num_pages > room:
+                node = self.controller.tree.split(node, room)
+            kept.append(node)
+            room -= node.num_pages
+        new = Pin(kept[-1]) if kept else None
+        if pin is not None:
+            pin.release()
+        return kept, new, True
 
     async def _load_host_part(
         self, path: list[TreeNode], pin: Pin | None
@@ -606,6 +640,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
     def __repr__(self) -> str:
         d, h = self.controller.device, self.controller.host
         return f"<HiCache device={d.used_pages}/{d.num_pages} host={h.used_pages}/{h.num_pages} pages>"
+
+
+def _pages(path: list[TreeNode]) -> int:
+    return sum(node.num_pages for node in path)
 
 
 def _check_priority(priority: Any) -> None:

@@ -183,6 +183,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
+            pin_room=self.evictor.wait_pin_room,
         )
         backup_send, backup_recv = anyio.create_memory_object_stream[BackupJob](self.backup_queue)
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
@@ -444,7 +445,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
             src = [p for job, pages in placed for node in self._split_run(job, len(pages)) for p in node.device or ()]
             dst = [p for _, pages in placed for p in pages]
             if src:
-                await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
+                # From here on it waits for nothing but the copy: an allocation of host pages may wait for it.
+                with self.frees_host.running():
+                    await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
         except BaseException:
             for _, pages in placed:
                 self.host.allocator.free(pages)

@@ -55,6 +55,18 @@ log = logging.getLogger(__name__)
 _YIELD_EVERY = 256  # victims examined between checkpoints: a bulk eviction never holds the loop long
 
 
+def spill_room(host_pages: int) -> int:
+    """Host pages that pins leave to pages coming down from the device (an eighth, at least one).
+
+    A lease pins host-only pages (a prefetch's until a retrieve takes them, a retrieve's until its
+    load-back is done); were the whole host pinned so, the device could not spill (pages owed to
+    the host stay), and a retrieve waiting for device room to load its pinned pages would wait in
+    vain. Pages leave tiers by runs, so one page that can be had is enough for the device to make
+    progress; an eighth keeps those runs from being tiny.
+    """
+    return min(max(1, host_pages // 8), max(host_pages - 1, 0))
+
+
 class Evictor:
     def __init__(
         self,
@@ -100,6 +112,28 @@ class Evictor:
             self.counters.eviction_wait_s += seconds
 
         return BoundedWait(tracker, self.alloc_wait_s, waited)
+
+    # -- pins on the host ------------------------------------------------------------------------
+
+    def pin_room(self) -> int:
+        """Host pages that leases may still pin (host-only pages: a prefetch's, a retrieve's before
+        its load-back) while the host keeps ``spill_room`` for pages leaving the device."""
+        n = self.host.num_pages
+        return n - spill_room(n) - self.tree.leased_pages["host"]
+
+    async def wait_pin_room(self, reserved: Callable[[], int] = lambda: 0) -> int:
+        """``pin_room()`` less what the caller has ``reserved`` and not pinned yet; while that is
+        none, wait for the jobs that unpin or free host pages (a load-back takes a retrieve's pages
+        to the device), bounded as an allocation's wait. 0: there is none to be had."""
+        waits = self._waiter(self.frees_host)
+        while (room := self.pin_room() - reserved()) <= 0:
+            if not await waits.next():
+                return 0
+        return room
+
+    def host_waiter(self) -> BoundedWait:
+        """A bounded wait for the jobs that can free or unpin host pages."""
+        return self._waiter(self.frees_host)
 
     async def alloc_device(self, n: int, *, partial: bool = False) -> list[int]:
         """Allocate ``n`` device pages, evicting as needed.
@@ -262,7 +296,8 @@ class Evictor:
                 for p in covered.device or ()
             ]
             dst = [p for _, _, pages, _ in placed for p in pages]
-            await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
+            with self.frees_host.running():  # it waits for nothing but the copy now
+                await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
             done = True
         finally:
             for node, keys, host_pages, pin in placed:

@@ -6,7 +6,8 @@ neither tier can evict or free its pages in between; the pin is released in a ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -123,6 +124,15 @@ class JobTracker:
         self._done = anyio.Event()
         if self.count == 0:
             self._idle.set()
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Count one job for the duration of a block."""
+        self.add()
+        try:
+            yield
+        finally:
+            self.done()
 
     async def wait_idle(self) -> None:
         while self.count:

@@ -79,6 +79,9 @@ class Prefetch:
     _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope, repr=False)
     _done: anyio.Event = field(default_factory=anyio.Event, repr=False)
     _pin: Pin | None = field(default=None, repr=False)
+    #: Retrieves waiting for it: when it ends first, its pin stays until the last of them has
+    #: woken up and pinned what arrived (else the host could drop those pages in between).
+    _waiters: int = field(default=0, repr=False)
 
     @property
     def tokens(self) -> int:
@@ -128,6 +131,7 @@ class Prefetcher:
         counters: Counters,
         jobs: JobTracker,
         page_bytes: int,
+        pin_room: Callable[[Callable[[], int]], Awaitable[int]] | None = None,
     ) -> None:
         self.tree = tree
         self.tiers = tiers
@@ -144,6 +148,10 @@ class Prefetcher:
         self.page_bytes = page_bytes
         self.page_size = tree.page_size
         self.running: dict[bytes, Prefetch] = {}  # by the key of every page it fetches
+        # Host pages pins may still take (Evictor.wait_pin_room): what a prefetch pins is bounded
+        # so that the host keeps room for pages leaving the device.
+        self.pin_room = pin_room
+        self.reserved = 0  # host pages prefetches are reserving or fetching into (not yet released)
 
     # -- probing --------------------------------------------------------------------------------
 
@@ -251,7 +259,9 @@ class Prefetcher:
         Returns ``None``, or, when the prefetch stopped for want of host room before the policy's
         wait was over (a host tier smaller than the prefix), the time until which that wait runs:
         the retrieve loads what arrived to the device and calls again with it as ``deadline``, so
-        the rest comes up run by run through the host within the policy's one wait.
+        the rest comes up run by run through the host within the policy's one wait. A prefetch
+        that got no host page at all (the host full of pages other prefetches pin) makes the
+        retrieve short, and ``short_retrieves`` says so.
         """
         if not self.tiers:
             return None
@@ -271,13 +281,22 @@ class Prefetcher:
         until = op.created + self.policy.wait_s(op.tokens)
         if deadline is not None:
             until = min(until, deadline)
+        op._waiters += 1
         try:
             await op.wait(None if math.isinf(until) else until - anyio.current_time())
         finally:
             op.cancel()
+            op._waiters -= 1
+            if op.done and not op._waiters:
+                # The retrieve pins the pages that arrived before it next awaits: hand them over.
+                self._release_pin(op)
             self.counters.latency["prefetch_wait"].observe(anyio.current_time() - started)
-        if op.out_of_room and op.arrived_pages and anyio.current_time() < until:
-            return until
+        if op.out_of_room and anyio.current_time() < until:
+            if op.arrived_pages:
+                return until
+            # Not one page of host room: every page there is pinned by other requests' prefetches.
+            self.counters.short_retrieves += 1
+            self.counters.short_retrieve_tokens += op.tokens - op.arrived_tokens
         return None
 
     def cancel_all(self) -> None:
@@ -306,10 +325,16 @@ class Prefetcher:
         Host pages are reserved for all of them up front; whatever is not published (a short
         read, a cancellation) is freed here. Returns ``(pages fetched, whether to go on)``.
         """
-        pages = await self.alloc_host(min(tier.batch_pages * _PIPELINE_BATCHES, end - pos))
+        want = min(tier.batch_pages * _PIPELINE_BATCHES, end - pos, await self._pin_room())
+        self.reserved += max(want, 0)  # before the await: a concurrent prefetch sees it taken
+        try:
+            pages = await self.alloc_host(want) if want > 0 else []
+        finally:
+            self.reserved -= max(want, 0)
         if not pages:
             op.out_of_room = True  # the host is full of pinned pages (maybe the ones it brought)
             return 0, False
+        self.reserved += len(pages)
         published = 0
         attached = True
 
@@ -322,8 +347,16 @@ class Prefetcher:
         try:
             got = await tier.fetch(op.keys[pos : pos + len(pages)], pages, on_batch=on_batch)
         finally:
+            self.reserved -= len(pages)  # published (pinned by op, counted as leased) or freed
             self.free_host(pages[published:])
         return got, attached and got == len(pages)
+
+    async def _pin_room(self) -> int:
+        """Host pages a prefetch may reserve now (what it brings stays pinned until a retrieve
+        takes it); waits, bounded, while pins hold all they may."""
+        if self.pin_room is None:
+            return 1 << 62
+        return await self.pin_room(lambda: self.reserved)
 
     def _publish(self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int]) -> bool:
         """Insert verified ``pages`` (from key index ``pos``) as host-only nodes. False: stop here."""
@@ -348,10 +381,15 @@ class Prefetcher:
         self.counters.bytes_moved["storage_to_host"] += got * self.page_bytes
         return True
 
-    def _finish(self, op: Prefetch) -> None:
+    @staticmethod
+    def _release_pin(op: Prefetch) -> None:
         if op._pin is not None:
             op._pin.release()
             op._pin = None
+
+    def _finish(self, op: Prefetch) -> None:
+        if not op._waiters:
+            self._release_pin(op)
         for k in op.keys:
             if self.running.get(k) is op:
                 del self.running[k]
