@@ -148,3 +148,29 @@ async def test_a_retrieve_through_a_host_smaller_than_the_prefix_keeps_lookups_w
         await cache.wait_idle()
         assert cache.stats().short_retrieves == 0
         assert_consistent(cache)
+
+
+async def test_queued_prefetches_do_not_starve_a_retrieve_through_a_two_page_host(tmp_path: Path) -> None:
+    """An engine's queue: four prompts looked up at once (each lookup starts a prefetch into the
+    2-page host), then served one by one. Each retrieve gets its whole prompt from the file tier:
+    a prefetch never pins the host's last page (it is the device's way down), and a retrieve goes
+    on once pins are released (the first one served 1 page of 7)."""
+    config = make_config(DEVICE, HOST, tiers={"storage": [
+        {"kind": "file", "name": "file", "path": str(tmp_path / "pages"), "fsync": "never"}]},
+        policies={"write": "write_through", "prefetch": "wait_complete", "prefetch_threshold_tokens": 0})
+    prompts = [make_tokens(PROMPT_PAGES * PAGE + 1, 10 + i) for i in range(4)]
+    async with HiCache.from_config(config) as cache:
+        for tokens in prompts:
+            async with cache.reserve(PROMPT_PAGES) as res:
+                await res.commit(tokens)
+        await cache.wait_idle()
+        async with cache.reserve(DEVICE):
+            pass
+        hits = [await cache.lookup(tokens) for tokens in prompts]
+        assert [h.tokens for h in hits] == [PROMPT_PAGES * PAGE] * 4
+        for tokens, hit in zip(prompts, hits, strict=True):
+            async with cache.retrieve(tokens) as view:
+                assert view.tokens == hit.tokens, dict(view.by_tier)
+        await cache.wait_idle()
+        assert cache.stats().short_retrieves == 0
+        assert_consistent(cache)

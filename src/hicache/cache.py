@@ -291,10 +291,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
         started = time.perf_counter()
         ctl.counters.retrieves += 1
         # Pages that only storage holds arrive in host memory first (as the prefetch policy allows).
-        more = await ctl.prefetcher.before_retrieve(tb)
+        rest = await ctl.prefetcher.before_retrieve(tb)
         path = ctl.tree.match(tb, split=True).path
         pin = Pin(path[-1]) if path else None
-        seen = _pages(path)  # the longest prefix memory held for us (what a trim may give up)
+        seen = max(_pages(path), rest.end_page if rest is not None else 0)  # what the tiers held for us
         loaded = 0
         from_storage: dict[str, int] = {}
         short = False
@@ -309,7 +309,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
                     loaded += len(job.device_pages)
                     for name, pages in sources.items():
                         from_storage[name] = from_storage.get(name, 0) + pages
-                if short or pin is None or (more is None and not capped):
+                if short or (rest is None and not capped):
                     break
                 # Runs through a small host: the prefetch stopped with the host full, or we pinned
                 # only part of the host-only pages. Once this run is on the device its host pages
@@ -318,18 +318,21 @@ class HiCache(anyio.AsyncContextManagerMixin):
                     await job.finished.wait()
                     if job.error is not None:
                         break
-                elif not await room_wait.next():
-                    break  # leases hold the host, and nothing in flight will release any of it
-                more = await ctl.prefetcher.before_retrieve(tb, more)
+                rest = await ctl.prefetcher.before_retrieve(tb, rest)
                 longer = ctl.tree.match(tb, split=True).path
-                seen = max(seen, _pages(longer))
+                seen = max(seen, _pages(longer), rest.end_page if rest is not None else 0)
                 if _pages(longer) <= _pages(path):
+                    # Nothing came up: other leases hold the host. Something in flight may release it.
+                    if rest is not None and await room_wait.next():
+                        continue
                     break
                 old, pin = pin, Pin(longer[-1])  # extends our pinned path (it was pinned throughout)
-                old.release()
+                if old is not None:
+                    old.release()
                 path, pin, capped = self._trim_to_pin_room(longer, pin)
             if not short and _pages(path) < seen:
-                # A trim let pages go that did not come back (no storage tier had them).
+                # Pages the tiers held that could not be brought up (the host full of other pins,
+                # or a trimmed tail that left memory with no storage tier to come back from).
                 ctl.counters.short_retrieves += 1
                 ctl.counters.short_retrieve_tokens += (seen - _pages(path)) * ps
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():

@@ -34,7 +34,7 @@ from ..stats import Counters
 from ..tiers.storage.tier import StorageTier
 from .jobs import JobTracker
 
-__all__ = ["Prefetch", "Prefetcher", "StorageHit"]
+__all__ = ["Prefetch", "Prefetcher", "StorageHit", "StorageRest"]
 
 _PIPELINE_BATCHES = 4  # batches reserved and fetched per step: the next is read while one is verified
 
@@ -54,6 +54,15 @@ class StorageHit:
 
     def by_tier(self) -> dict[str, int]:
         return {tier.name: n * self.page_size for tier, _, n in self.segments}
+
+
+@dataclass(frozen=True)
+class StorageRest:
+    """What a retrieve's prefetch left in storage because the host had no room for it: the pages
+    up to ``end_page`` (of the query) are there, and the policy's wait for them runs ``until``."""
+
+    end_page: int
+    until: float
 
 
 @dataclass(eq=False)
@@ -253,21 +262,21 @@ class Prefetcher:
         ops = {id(op): op for op in list(self.running.values())}.values()
         return [op for op in ops if not op.done and any(t is tier for t, _, _ in op.segments)]
 
-    async def before_retrieve(self, tb: TokenBytes, deadline: float | None = None) -> float | None:
+    async def before_retrieve(self, tb: TokenBytes, rest: StorageRest | None = None) -> StorageRest | None:
         """Let storage pages of ``tb`` arrive as the policy allows, then end their prefetch.
 
         Returns ``None``, or, when the prefetch stopped for want of host room before the policy's
-        wait was over (a host tier smaller than the prefix), the time until which that wait runs:
-        the retrieve loads what arrived to the device and calls again with it as ``deadline``, so
-        the rest comes up run by run through the host within the policy's one wait. A prefetch
-        that got no host page at all (the host full of pages other prefetches pin) makes the
-        retrieve short, and ``short_retrieves`` says so.
+        wait was over (a host tier smaller than the prefix, or one that other requests' pins fill),
+        what it left in storage: the retrieve loads what arrived to the device and calls again
+        with it as ``rest``, so the rest comes up run by run through the host within the policy's
+        one wait.
         """
         if not self.tiers:
             return None
         match = self.tree.match(tb)
         pb = self.page_size * TOKEN_BYTES
-        if match.pages >= len(tb) // pb:
+        full = len(tb) // pb
+        if match.pages >= full:
             return None
         first_key = chain_keys(self._seed(match), tb[match.pages * pb : (match.pages + 1) * pb], self.page_size)[0]
         op = self.running.get(first_key)
@@ -279,8 +288,8 @@ class Prefetcher:
                 return None
         started = anyio.current_time()
         until = op.created + self.policy.wait_s(op.tokens)
-        if deadline is not None:
-            until = min(until, deadline)
+        if rest is not None:
+            until = min(until, rest.until)
         op._waiters += 1
         try:
             await op.wait(None if math.isinf(until) else until - anyio.current_time())
@@ -292,11 +301,10 @@ class Prefetcher:
                 self._release_pin(op)
             self.counters.latency["prefetch_wait"].observe(anyio.current_time() - started)
         if op.out_of_room and anyio.current_time() < until:
-            if op.arrived_pages:
-                return until
-            # Not one page of host room: every page there is pinned by other requests' prefetches.
-            self.counters.short_retrieves += 1
-            self.counters.short_retrieve_tokens += op.tokens - op.arrived_tokens
+            end = min(op.first_page + len(op.keys), full)
+            if op.tokens_bytes[: end * pb] != tb[: end * pb]:
+                end = match.pages  # joined another query's prefetch: claim nothing past what we share
+            return StorageRest(end, until)
         return None
 
     def cancel_all(self) -> None:
