@@ -277,7 +277,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
         """Lease the longest cached prefix of ``tokens`` on the device tier.
 
         ``async with cache.retrieve(tokens) as view``: the prefix is pinned until the block exits;
-        pages found only on the host are loaded back layer by layer (see ``RetrieveView``).
+        pages found only on the host are loaded back layer by layer (see ``RetrieveView``). A
+        prefix larger than the host tier can hold (or pin) comes up by runs: a run is loaded to
+        the device, its host pages may go, the next run follows (from the host or from storage).
         """
         self.controller.check_open()
         tb = as_token_bytes(tokens)
@@ -294,7 +296,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         rest = await ctl.prefetcher.before_retrieve(tb)
         path = ctl.tree.match(tb, split=True).path
         pin = Pin(path[-1]) if path else None
-        seen = max(_pages(path), rest.end_page if rest is not None else 0)  # what the tiers held for us
+        seen = _pages(path)  # the longest prefix memory held for us (a trim may let some go)
         loaded = 0
         from_storage: dict[str, int] = {}
         short = False
@@ -320,7 +322,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
                         break
                 rest = await ctl.prefetcher.before_retrieve(tb, rest)
                 longer = ctl.tree.match(tb, split=True).path
-                seen = max(seen, _pages(longer), rest.end_page if rest is not None else 0)
+                seen = max(seen, _pages(longer))
                 if _pages(longer) <= _pages(path):
                     # Nothing came up: other leases hold the host. Something in flight may release it.
                     if rest is not None and await room_wait.next():
@@ -330,11 +332,13 @@ class HiCache(anyio.AsyncContextManagerMixin):
                 if old is not None:
                     old.release()
                 path, pin, capped = self._trim_to_pin_room(longer, pin)
-            if not short and _pages(path) < seen:
-                # Pages the tiers held that could not be brought up (the host full of other pins,
-                # or a trimmed tail that left memory with no storage tier to come back from).
+            held = max(seen, rest.end_page if rest is not None else 0)
+            if not short and _pages(path) < held:
+                # Pages the tiers held that could not be brought up within the policy's wait (the
+                # host full of other pins, or a trimmed tail that left memory with no storage
+                # tier to come back from).
                 ctl.counters.short_retrieves += 1
-                ctl.counters.short_retrieve_tokens += (seen - _pages(path)) * ps
+                ctl.counters.short_retrieve_tokens += (held - _pages(path)) * ps
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
                 if job not in jobs:
                     jobs.append(job)

@@ -4,7 +4,9 @@ Workers:
 
 * ``backup``: device -> host copies asked for by the write policy. Fed by a bounded stream, so a
   write-through ``store`` feels backpressure instead of queueing without limit; it batches every job
-  waiting in the stream into one copy.
+  waiting in the stream into one copy a round. A node larger than the host room it can get is
+  copied by runs (split), each run's storage write queued before the next run needs its room, so
+  a host tier smaller than one prompt still carries every page down to storage.
 * ``load``: host -> device load-back for ``retrieve``, layer by layer; each layer's arrival wakes the
   callers waiting on it.
 * ``eviction``: kicked when device usage crosses the high watermark; evicts down to the low one in
@@ -37,7 +39,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import CacheClosedError, CapacityError, WorkerFailedError
+from ..errors import CacheClosedError, WorkerFailedError
 from ..io.transfer import TransferEngine
 from ..keys import TokenBytes
 from ..policies.base import EvictionPolicy, WritePolicy

@@ -21,6 +21,11 @@ costs O(log n) per victim, not a pass over the tree, and a large eviction (the w
 yields to the event loop every few hundred victims; the pages callers hold under leases are counted
 by the tree as pins come and go (``HiRadixTree.leased_pages``).
 
+Leases may pin host-only pages (a prefetch's, a retrieve's until its load-back), but never the
+last ``spill_room`` of the host (``pin_room``, ``wait_pin_room``): that room is how device pages
+owed to the host leave, so a device full of such pages can always make room for the very load-back
+a pin waits for.
+
 When no victim is left to take, allocation waits for in-flight jobs that may make room (copies down,
 load-backs, stores publishing their pages), one completion at a time, at most
 ``controller.alloc_wait_s`` (``BoundedWait``): that wait is the backpressure a ``store`` feels from a
@@ -125,15 +130,16 @@ class Evictor:
         """``pin_room()`` less what the caller has ``reserved`` and not pinned yet; while that is
         none, wait for the jobs that unpin or free host pages (a load-back takes a retrieve's pages
         to the device), bounded as an allocation's wait. 0: there is none to be had."""
-        waits = self._waiter(self.frees_host)
+        waits = self.host_waiter()
         while (room := self.pin_room() - reserved()) <= 0:
             if not await waits.next():
                 return 0
         return room
 
     def host_waiter(self) -> BoundedWait:
-        """A bounded wait for the jobs that can free or unpin host pages."""
-        return self._waiter(self.frees_host)
+        """A bounded wait for the jobs that can free or unpin host pages (not an eviction wait:
+        ``eviction_waits`` counts what allocations wait)."""
+        return BoundedWait(self.frees_host, self.alloc_wait_s)
 
     async def alloc_device(self, n: int, *, partial: bool = False) -> list[int]:
         """Allocate ``n`` device pages, evicting as needed.

@@ -8,6 +8,13 @@ controller's task group that reserves host pages a few batches at a time, reads 
 the index as host-only nodes as soon as it is verified. A request that arrives for the same pages
 joins the running prefetch instead of starting another.
 
+A prefetch pins what it publishes until a retrieve takes it, and pins at most the host's
+``pin_room`` (``Evictor.wait_pin_room``: the host keeps room for pages leaving the device). When
+that stops it short of the pages storage holds (a host tier smaller than the prefix, or filled by
+other requests' pins), ``before_retrieve`` says so (``StorageRest``): the retrieve loads what
+arrived to the device, which frees that host room, and asks again, so a prefix larger than the
+host comes up run by run within the policy's one wait.
+
 ``retrieve`` waits as the prefetch policy says (see ``policies/prefetch.py``), then ends the
 prefetch and uses what has been published. Ending (``cancel()``) frees the host pages reserved and
 not yet published; pages already published stay in the cache. The prefetch holds a pin on the
