@@ -268,10 +268,11 @@ class Evictor:
     async def _spill(self, nodes: list[TreeNode], wanted: int) -> int:
         """Copy the device pages of ``nodes`` to new host pages in one batch; pages copied.
 
-        Whole nodes while the host has free room; beyond that, runs: host room is made (by evicting
-        the host) only for the ``wanted`` pages the eviction still needs, and a victim that gets
-        fewer pages than it has is split so that its last pages, as many as it got, are spilled
-        (``_tail_run``). Nodes that find no host room (the host is full of pinned pages) stay.
+        A victim the host could hold is asked whole (room is made for it, as for any allocation);
+        a larger one asks only for the ``wanted`` pages the eviction still needs (or the host's free
+        room, if more). A victim that gets fewer pages than it has is split so that its last
+        pages, as many as it got, are spilled (``_tail_run``); the rest stays a device leaf for the
+        next round. Nodes that find no host room (the host is full of pinned pages) stay.
         """
         placed: list[tuple[TreeNode, list[bytes], list[int], Pin]] = []
         done = False
@@ -279,7 +280,12 @@ class Evictor:
             # Inside the try: reserving host room for a later victim may wait (a write to storage
             # first) and be cancelled; the victims placed by then must be released.
             for node in nodes:
-                ask = min(node.num_pages, max(wanted, self.host.free_pages))
+                # A node the host can hold goes whole, as room is made for it; a larger one by runs
+                # sized to what the eviction still needs (not the whole host each round).
+                if node.num_pages <= self._unleased("host"):
+                    ask = node.num_pages
+                else:
+                    ask = min(node.num_pages, max(wanted, self.host.free_pages))
                 host_pages = await self.alloc_host(ask, partial=True) if ask > 0 else []
                 if not host_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
                     self.host.allocator.free(host_pages)
