@@ -26,6 +26,7 @@ import anyio
 import torch
 
 from .config import StorageTierConfig, storage_entry
+from .controller.loadback import bring_up
 from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
 from .leases import Lease, RetrieveView, SlotReservation
@@ -292,53 +293,11 @@ class HiCache(anyio.AsyncContextManagerMixin):
         num_tokens = len(tb) // TOKEN_BYTES
         started = time.perf_counter()
         ctl.counters.retrieves += 1
-        # Pages that only storage holds arrive in host memory first (as the prefetch policy allows).
-        rest = await ctl.prefetcher.before_retrieve(tb)
-        path = ctl.tree.match(tb, split=True).path
-        pin = Pin(path[-1]) if path else None
-        seen = _pages(path)  # the longest prefix memory held for us (a trim may let some go)
-        loaded = 0
-        from_storage: dict[str, int] = {}
-        short = False
+        brought = await bring_up(ctl, tb)
+        path, pin, jobs, loaded, from_storage = (
+            brought.path, brought.pin, brought.jobs, brought.loaded, brought.from_storage,
+        )
         try:
-            path, pin, capped = self._trim_to_pin_room(path, pin)
-            jobs: list[LoadJob] = []
-            room_wait = ctl.evictor.host_waiter()
-            while True:
-                path, pin, job, sources, short = await self._load_host_part(path, pin)
-                if job is not None:
-                    jobs.append(job)
-                    loaded += len(job.device_pages)
-                    for name, pages in sources.items():
-                        from_storage[name] = from_storage.get(name, 0) + pages
-                if short or (rest is None and not capped):
-                    break
-                # Runs through a small host: the prefetch stopped with the host full, or we pinned
-                # only part of the host-only pages. Once this run is on the device its host pages
-                # may go, and the next run can come up (from memory, or from storage).
-                if job is not None:
-                    await job.finished.wait()
-                    if job.error is not None:
-                        break
-                rest = await ctl.prefetcher.before_retrieve(tb, rest)
-                longer = ctl.tree.match(tb, split=True).path
-                seen = max(seen, _pages(longer))
-                if _pages(longer) <= _pages(path):
-                    # Nothing came up: other leases hold the host. Something in flight may release it.
-                    if rest is not None and await room_wait.next():
-                        continue
-                    break
-                old, pin = pin, Pin(longer[-1])  # extends our pinned path (it was pinned throughout)
-                if old is not None:
-                    old.release()
-                path, pin, capped = self._trim_to_pin_room(longer, pin)
-            held = max(seen, rest.end_page if rest is not None else 0)
-            if not short and _pages(path) < held:
-                # Pages the tiers held that could not be brought up within the policy's wait (the
-                # host full of other pins, or a trimmed tail that left memory with no storage
-                # tier to come back from).
-                ctl.counters.short_retrieves += 1
-                ctl.counters.short_retrieve_tokens += (held - _pages(path)) * ps
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
                 if job not in jobs:
                     jobs.append(job)
@@ -372,64 +331,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
             check_open=ctl.check_open,
         )
 
-    def _trim_to_pin_room(self, path: list[TreeNode], pin: Pin | None) -> tuple[list[TreeNode], Pin | None, bool]:
-        """Hold at most as many host-only pages of ``path`` as leases may pin (``Evictor.pin_room``):
-        pinned beyond that, they would keep the host from taking the device's spills, and so the
-        device from making room to load them. Returns the path kept, its pin, and whether it was cut."""
-        host_only = [nd for nd in path if nd.device is None]  # a suffix: device residency is prefix-closed
-        held = _pages(host_only)
-        room = self.controller.evictor.pin_room() + held  # our pin is among the leases counted
-        if held <= room:
-            return path, pin, False
-        kept = path[: len(path) - len(host_only)]
-        for node in host_only:
-            if room <= 0:
-                break
-            if node.num_pages > room:
-                node = self.controller.tree.split(node, room)
-            kept.append(node)
-            room -= node.num_pages
-        new = Pin(kept[-1]) if kept else None
-        if pin is not None:
-            pin.release()
-        return kept, new, True
-
-    async def _load_host_part(
-        self, path: list[TreeNode], pin: Pin | None
-    ) -> tuple[list[TreeNode], Pin | None, LoadJob | None, dict[str, int], bool]:
-        """Start loading the host-only part of ``path`` (pinned by ``pin``) into device pages.
-
-        Returns the path (shorter if the device is full of leased pages: ``_fit_load``), the pin
-        that holds it now, the load job (None: nothing to load), the pages it loads that a
-        prefetch brought from storage (by tier), and whether the path was cut short.
-        """
-        ctl = self.controller
-        host_only = [nd for nd in path if nd.device is None]
-        if not host_only:
-            return path, pin, None, {}, False
-        dev = await ctl.evictor.alloc_device(sum(nd.num_pages for nd in host_only), partial=True)
-        # While we awaited, other calls may have split nodes of the path or started loading
-        # some of them; the pin kept them all, so re-derive the path from its deepest node.
-        path = ctl.tree.path_to(path[-1])
-        host_only = [nd for nd in path if nd.device is None]
-        wanted = sum(nd.num_pages for nd in host_only)
-        path, host_only, dev = self._fit_load(path, host_only, dev)
-        cut = len(dev) < wanted
-        if pin is not None and (not path or path[-1] is not pin.node):
-            old, pin = pin, (Pin(path[-1]) if path else None)
-            old.release()
-        if not host_only:
-            return path, pin, None, {}, cut
-        sources = self._take_sources(host_only)
-        try:
-            job = await ctl.submit_load(host_only, dev, path[-1])
-        except BaseException:
-            if pin is not None:
-                pin.release()  # the caller holds the pin it passed (released already if replaced)
-            raise
-        # Awaiting the queue let other calls split nodes again: re-derive once more.
-        return ctl.tree.path_to(pin.node if pin is not None else None), pin, job, sources, cut
-
     def _time_retrieve(self, started: float, jobs: list[LoadJob]) -> None:
         """Observe when layer 0 and the last layer are usable: now, or when the loads say so."""
         latency = self.controller.counters.latency
@@ -456,35 +357,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
         for job in waiting:
             job.watchers.append(watcher(job))
 
-    def _fit_load(
-        self, path: list[TreeNode], host_only: list[TreeNode], dev: list[int]
-    ) -> tuple[list[TreeNode], list[TreeNode], list[int]]:
-        """Trim the host-only tail of ``path`` to the device pages we got; free the surplus."""
-        need = sum(nd.num_pages for nd in host_only)
-        ctl = self.controller
-        if len(dev) >= need:
-            ctl.device.allocator.free(dev[need:])
-            return path, host_only, dev[:need]
-        # The device is full of leased pages: serve a shorter prefix, and say so.
-        ctl.counters.short_retrieves += 1
-        ctl.counters.short_retrieve_tokens += (need - len(dev)) * self._page_size
-        kept: list[TreeNode] = []
-        room = len(dev)
-        for node in host_only:
-            if room >= node.num_pages:
-                kept.append(node)
-                room -= node.num_pages
-                continue
-            if room > 0:
-                kept.append(ctl.tree.split(node, room))  # load the prefix that fits
-                room = 0
-            break
-        cut = path.index(host_only[0])
-        path = path[:cut] + kept
-        used = sum(nd.num_pages for nd in kept)
-        ctl.device.allocator.free(dev[used:])
-        return path, kept, dev[:used]
-
     def _read_layer(self, device_pages: list[int], layer: int) -> tuple[torch.Tensor, ...]:
         self.controller.check_open()  # the pool is gone once the cache is closed
         out = self.controller.engine.device_layer(device_pages, layer)
@@ -496,16 +368,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
         for node in path:
             node.hit_count += 1
             node.last_access = now
-
-    @staticmethod
-    def _take_sources(loaded: list[TreeNode]) -> dict[str, int]:
-        """Pages among ``loaded`` that a prefetch brought from storage, by tier (counted once)."""
-        out: dict[str, int] = {}
-        for node in loaded:
-            if node.source is not None:
-                out[node.source] = out.get(node.source, 0) + node.num_pages
-                node.source = None
-        return out
 
     def _count_retrieve(self, num_tokens: int, by_tier: Mapping[str, int]) -> None:
         ctl = self.controller
@@ -647,10 +509,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
     def __repr__(self) -> str:
         d, h = self.controller.device, self.controller.host
         return f"<HiCache device={d.used_pages}/{d.num_pages} host={h.used_pages}/{h.num_pages} pages>"
-
-
-def _pages(path: list[TreeNode]) -> int:
-    return sum(node.num_pages for node in path)
 
 
 def _check_priority(priority: Any) -> None:
