@@ -23,6 +23,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import yaml
@@ -35,6 +36,7 @@ from pydantic import (
     PlainSerializer,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -214,7 +216,8 @@ class StorageTierConfig(BaseModel):
 
     ``kind`` is a built-in (``memory``, ``file``), the name of an installed plugin (entry-point group
     ``hicache.storage``) or a class path ``package.module:ClassName``. Every other key is validated
-    against that backend's ``Settings``, so a typo is an error naming the field.
+    against that backend's ``Settings``, so a typo is an error naming the field. An entry that came
+    in a request is validated with ``REQUEST_CONTEXT`` (see ``storage_entry``).
     """
 
     model_config = ConfigDict(extra="allow", frozen=True, hide_input_in_errors=True)
@@ -223,15 +226,16 @@ class StorageTierConfig(BaseModel):
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
 
     @model_validator(mode="after")
-    def _backend_settings(self) -> StorageTierConfig:
+    def _backend_settings(self, info: ValidationInfo) -> StorageTierConfig:
         from .tiers.storage.registry import resolve_backend  # lazy: plugins load only when configured
 
+        context = info.context or {}
         try:
-            backend = resolve_backend(self.kind)
+            backend = resolve_backend(self.kind, class_paths=context.get("class_paths", True))
         except ConfigError as exc:
             raise _field_error("kind", str(exc)) from None
         try:
-            backend.Settings.model_validate(self.model_extra or {})
+            backend.Settings.model_validate(self.model_extra or {}, context=context or None)
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
             loc, message = _describe(err, secret=_is_secret(backend.Settings, tuple(err["loc"])))
@@ -505,14 +509,25 @@ def load_config(
         raise ConfigError("the settings nest too deeply") from None
 
 
-def storage_entry(entry: Mapping[str, Any], where: str = "storage entry") -> StorageTierConfig:
+#: How an entry that came in a request (the admin endpoint) is validated, rather than one of the
+#: process's own configuration: ``kind`` must be a built-in or an installed plugin (a class path is
+#: refused before anything is imported), and the backend's settings read nothing from this process's
+#: environment (``environ``: none; ``tiers.storage.base.settings_environ``): a file tier's ``$VAR``
+#: are unset variables, an s3 tier takes no ``AWS_*`` credentials.
+REQUEST_CONTEXT: Mapping[str, Any] = MappingProxyType({"class_paths": False, "environ": MappingProxyType({})})
+
+
+def storage_entry(
+    entry: Mapping[str, Any], where: str = "storage entry", *, from_request: bool = False
+) -> StorageTierConfig:
     """Validate one ``tiers.storage`` item (a dict, as in YAML) as ``load_config`` would: a
     ``ConfigError`` naming ``where`` and the field, secrets never shown. No ``${VAR}`` expansion:
-    the caller passes values, not a file."""
+    the caller passes values, not a file. ``from_request``: the entry came from outside the process
+    (``REQUEST_CONTEXT``)."""
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: expected a mapping like {{kind: file, path: ...}}, got {type(entry).__name__}")
     try:
-        return StorageTierConfig.model_validate(dict(entry))
+        return StorageTierConfig.model_validate(dict(entry), context=dict(REQUEST_CONTEXT) if from_request else None)
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):

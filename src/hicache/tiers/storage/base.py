@@ -38,16 +38,17 @@ backends the timeout bounds the wait between batches, not a stuck system call.
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ...errors import (
     CacheClosedError,
@@ -62,7 +63,7 @@ from ...keys import KEY_BYTES
 from ...stats import HistogramSnapshot, LatencyHistogram
 from .page_format import HEADER_BYTES
 
-__all__ = ["BackendSettings", "PageIO", "StorageBackend", "StorageBackendStats", "StoredPage"]
+__all__ = ["BackendSettings", "PageIO", "StorageBackend", "StorageBackendStats", "StoredPage", "settings_environ"]
 
 _VERBS = ("exists", "get", "set", "delete", "clear", "list")
 
@@ -107,6 +108,13 @@ class PageIO(NamedTuple):
     def buffers(self) -> list[memoryview]:
         """Header then payload pieces: what one ``preadv``/``writev`` takes."""
         return [self.header, *self.payload]
+
+
+def settings_environ(info: ValidationInfo) -> Mapping[str, str]:
+    """The environment a backend's settings may read while they are validated: this process's for
+    its own configuration, none for an entry that came in a request (``config.REQUEST_CONTEXT``, the
+    admin endpoint), so a request can never make the server put a variable's value to use."""
+    return (info.context or {}).get("environ", os.environ)
 
 
 class BackendSettings(BaseModel):

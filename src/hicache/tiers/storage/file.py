@@ -50,16 +50,16 @@ import os
 import re
 import stat
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 import anyio
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...config import ByteSize
 from ...errors import ConfigError
-from .base import BackendSettings, PageIO, StorageBackend, StoredPage
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage, settings_environ
 from .lru_index import LruIndex
 from .page_files import CORRUPT, SUFFIX, Folder, Refused, delete_pages, read_pages, unlink_at, write_pages
 from .page_format import HEADER_BYTES
@@ -74,23 +74,34 @@ _PAGE_READ_ONLY = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_C
 _VAR = re.compile(r"\$(?P<name>[A-Za-z_][A-Za-z0-9_]*)")  # $VAR; ${VAR} is load_config's (strict there)
 
 
-def expand_path(path: str) -> Path:
-    """``~`` and ``$VAR`` expanded; ``ValueError`` naming a variable that is not set.
+def expand_path(path: str, environ: Mapping[str, str] = os.environ) -> Path:
+    """``~`` and ``$VAR`` (from ``environ``) expanded; ``ValueError`` naming a variable that is not set.
 
     ``${VAR}`` is expanded (strictly) by ``load_config``; what reaches here in that form was written
     ``$${VAR}`` there, a literal. ``os.path.expandvars`` would leave an unset ``$VAR`` as it is, and
-    a folder named ``$VAR`` would appear.
+    a folder named ``$VAR`` would appear. An entry sent to the admin endpoint is expanded from no
+    environment (``settings_environ``): any ``$VAR`` in it is an error, ``~`` the one thing expanded.
     """
 
     def value(match: re.Match[str]) -> str:
         name = match["name"]
-        if name not in os.environ:
+        if name not in environ:
+            if environ is os.environ:
+                raise ValueError(f"environment variable {name} in path {path!r} is not set: set it, or write the path out")
             raise ValueError(
-                f"environment variable {name} in path {path!r} is not set: set it, or write the path out"
+                f"path {path!r} names the environment variable {name}, and an entry sent to the admin endpoint is "
+                "expanded from no environment: write the path out (`hicache admin attach` expands ${VAR} from "
+                "your shell)"
             )
-        return os.environ[name]
+        return environ[name]
 
     return Path(_VAR.sub(value, path)).expanduser()
+
+
+def shown_path(path: str, where: Path) -> str:
+    """How a message names the folder: as written when a variable is in it (its value may be a
+    secret, and no message shows what a variable holds), else as expanded."""
+    return repr(path) if _VAR.search(path) else repr(str(where))
 
 
 class FileBackend(StorageBackend):
@@ -107,10 +118,12 @@ class FileBackend(StorageBackend):
 
         @field_validator("path")
         @classmethod
-        def _usable_path(cls, path: str) -> str:
-            where = expand_path(path)
+        def _usable_path(cls, path: str, info: ValidationInfo) -> str:
+            where = expand_path(path, settings_environ(info))
             if where.exists() and not where.is_dir():
-                raise ValueError(f"{str(where)!r} is a file, not a folder: point `path` at a folder (created if missing)")
+                raise ValueError(
+                    f"{shown_path(path, where)} is a file, not a folder: point `path` at a folder (created if missing)"
+                )
             return path
 
     settings: Settings
@@ -118,6 +131,7 @@ class FileBackend(StorageBackend):
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
         self.root = expand_path(self.settings.path)
+        self._shown = shown_path(self.settings.path, self.root)  # the folder, as messages name it
         self._index = LruIndex(self.settings.capacity)  # key -> file size, least recently used first
         self._write_limiter = anyio.CapacityLimiter(self.settings.write_threads)
         self._refused: set[str] = set()  # shard folders already reported as links (logged once each)
@@ -150,15 +164,15 @@ class FileBackend(StorageBackend):
         try:
             found = await anyio.to_thread.run_sync(self._scan)
         except OSError as exc:
-            raise ConfigError(
-                f"file tier: cannot use {str(self.root)!r} as its folder ({exc.strerror or exc}): set `path` to a "
-                "folder this process can create, read and write"
-            ) from exc
+            raise ConfigError(  # strerror only: str(exc) would name the expanded path
+                f"file tier: cannot use {self._shown} as its folder ({exc.strerror or type(exc).__name__}): set "
+                "`path` to a folder this process can create, read and write"
+            ) from None
         found.sort(key=lambda item: item[2])
         self._index.clear()
         for key, size, _ in found:  # oldest first
             self._index.remember(key, size)
-        log.debug("file backend %s: %d pages, %d bytes", self.root, len(self._index), self._index.used)
+        log.debug("file backend %s: %d pages, %d bytes", self._shown, len(self._index), self._index.used)
 
     def _scan(self, remove: bool = False) -> list[tuple[bytes, int, float]]:
         """Every page file under the root as ``(key, size, mtime)``; stale temporaries removed.
@@ -313,7 +327,7 @@ class FileBackend(StorageBackend):
                 # Not a page of ours (torn write under fsync=never, another writer's file, a FIFO or a
                 # link planted there): counted; removed in the thread where that was safe.
                 self.corrupt_pages += 1
-                log.debug("file backend %s: page %s unusable (%s)", self.root, keys[done].hex(), problem)
+                log.debug("file backend %s: page %s unusable (%s)", self._shown, keys[done].hex(), problem)
         return done
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:

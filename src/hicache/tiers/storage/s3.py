@@ -25,7 +25,9 @@ Secrets (``access_key_id``, ``secret_access_key``, ``session_token``) are ``Secr
 repr, a log or a config dump. Without ``access_key_id`` they are all read from ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN`` when the backend opens (never a key from one
 place and a token from the other). Without any the backend refuses to open (``ConfigError``): it
-never falls back to instance-metadata lookups.
+never falls back to instance-metadata lookups. An entry sent to the admin endpoint must carry its
+own credentials: it reads nothing from this process's environment (``settings_environ``), or a
+request could have the server sign requests to an endpoint it names with the server's identity.
 
     tiers:
       storage:
@@ -47,11 +49,11 @@ from datetime import timedelta
 from typing import Any
 
 import anyio
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationInfo, model_validator
 
 from ...config import ByteSize
 from ...errors import ConfigError
-from .base import BackendSettings, PageIO, StorageBackend, StoredPage
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage, settings_environ
 from .lru_index import LruIndex
 from .page_format import HEADER_BYTES
 
@@ -85,6 +87,18 @@ class S3Backend(StorageBackend):
         #: Bytes of pages this process keeps there, least recently used evicted first (None: leave
         #: it to the bucket's lifecycle rules).
         capacity: ByteSize | None = None
+
+        @model_validator(mode="after")
+        def _credentials_of_a_request(self, info: ValidationInfo) -> S3Backend.Settings:
+            if settings_environ(info) is os.environ:
+                return self
+            given = [getattr(self, f) for f in ("access_key_id", "secret_access_key")]
+            if not all(v is not None and v.get_secret_value() for v in given):
+                raise ValueError(
+                    "an s3 tier sent to the admin endpoint takes no credentials from this process's environment "
+                    "(AWS_*): put access_key_id and secret_access_key in the entry"
+                )
+            return self
 
     settings: Settings
 
