@@ -155,8 +155,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("--interleave needs --sequential (configurations take turns one request at a time)")
         if "warm-restart" in configs or args.profile or args.metrics:
             raise SystemExit("--interleave runs without warm-restart (it needs a fresh process), --profile and --metrics")
-    if args.metrics and importlib.util.find_spec("prometheus_client") is None:
-        raise SystemExit("--metrics needs prometheus-client: pip install 'hicache[metrics]'")
+    if args.metrics and any(importlib.util.find_spec(m) is None for m in ("prometheus_client", "h11")):
+        raise SystemExit("--metrics needs prometheus-client and h11: pip install 'hicache[metrics]'")
     out = Path(args.out or f"bench-results/{args.benchmark}-{args.model}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     base = base_spec(args, out)
