@@ -13,7 +13,8 @@ Layout: ``<path>/<first two hex digits of the key>/<32 hex digits>.kv``, each fi
   trace 7-8 ms per call, two per page (75% of the writer threads' time), and one store's backup and
   writes take 32 ms with it against 21 ms without (``benchmarks/background_cost.py``, README).
 * **Capacity**: bytes of page files this process knows of; the least recently used files are
-  deleted to make room. Reads refresh a file's mtime, so recency survives restarts.
+  deleted to make room. Reads refresh a file's mtime, so recency survives restarts (not those of
+  ``hicache inspect``, which opens the tier with ``touch_on_read: false``).
 * **Restarts and other processes**: the index is rebuilt from the directory at ``open`` (oldest
   mtime first), and ``exists`` looks on disk for keys it does not know, so pages written by another
   process since are found. Several processes may share a directory; each enforces ``capacity`` on
@@ -115,6 +116,9 @@ class FileBackend(StorageBackend):
         fsync: Literal["always", "never"] = "never"  # pages are checksummed and renamed into place
         write_threads: int = Field(default=8, ge=1, le=64, strict=True)
         read_ahead: int = Field(default=64, ge=0, le=256, strict=True)
+        #: Reads refresh each page file's mtime (the recency eviction and restarts go by) and remove
+        #: an unusable entry. ``hicache inspect`` reads with ``false``: a reader that changes nothing.
+        touch_on_read: bool = True
 
         @field_validator("path")
         @classmethod
@@ -214,6 +218,12 @@ class FileBackend(StorageBackend):
         return self._index.used, self.settings.capacity, len(self._index)
 
     # -- listing (hicache inspect) --------------------------------------------------------------
+
+    @classmethod
+    def inspection_options(cls, options: dict[str, object]) -> dict[str, object]:
+        """A reader leaves each page's mtime (the last use ``summary`` and ``purge --older-than`` go
+        by) and the folder as they are."""
+        return {**options, "touch_on_read": False}
 
     async def _list(self) -> AsyncIterator[list[StoredPage]]:
         """One batch per shard folder, each listed in a worker thread; nothing is followed or changed.
@@ -317,7 +327,7 @@ class FileBackend(StorageBackend):
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
         places = [self._place(k) for k in keys]
         done, problem = await anyio.to_thread.run_sync(
-            read_pages, self.root, self._refused, places, into, self.settings.read_ahead
+            read_pages, self.root, self._refused, places, into, self.settings.read_ahead, self.settings.touch_on_read
         )
         for key, io in zip(keys[:done], into[:done], strict=True):
             self._remember(key, io.nbytes)

@@ -149,12 +149,12 @@ def _writev(fd: int, buffers: list[memoryview]) -> None:
             raise OSError("short write")
 
 
-def _open_page(folder: Folder, shard: str, name: str) -> int | str:
+def _open_page(folder: Folder, shard: str, name: str, tidy: bool = True) -> int | str:
     """A descriptor of the regular file ``shard/name``, or why there is none (see ``_CORRUPT``).
 
     ``O_NONBLOCK``: opening a FIFO would otherwise wait for a writer, in a thread no timeout reaches.
-    Whatever is not a usable regular file is removed here when that is safe (the entry itself,
-    never a link's target; a folder in a page's place stays).
+    With ``tidy``, whatever is not a usable regular file is removed here when that is safe (the
+    entry itself, never a link's target; a folder in a page's place stays).
     """
     try:
         sfd = folder.shard(shard)
@@ -169,21 +169,26 @@ def _open_page(folder: Folder, shard: str, name: str) -> int | str:
     except OSError as exc:
         # A symbolic link (ELOOP), a socket (ENXIO), a file we may not read (EACCES, EPERM): none is
         # a page we can use, and the entry itself is removed so a later store can write the page.
-        unlink_at(sfd, name)
+        if tidy:
+            unlink_at(sfd, name)
         return {errno.ELOOP: "link", errno.ENXIO: "special"}.get(exc.errno or 0, "unreadable")
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        unlink_at(sfd, name)
+        if tidy:
+            unlink_at(sfd, name)
         return "special"
     return fd
 
 
 def read_pages(
-    root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int
+    root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int,
+    touch: bool = True,
 ) -> tuple[int, str | None]:
     """Read consecutive pages until one is missing or unusable; ``(count, problem)``.
 
-    Every descriptor opened here is closed before it returns, whatever happens.
+    ``touch``: the cache's read, which refreshes each page's mtime and removes an unusable entry;
+    without it a reader's (``hicache inspect``), which changes nothing. Every descriptor opened
+    here is closed before it returns, whatever happens.
     """
     fds: dict[int, int | str] = {}
     n = len(places)
@@ -192,7 +197,7 @@ def read_pages(
             try:
 
                 def announce(j: int) -> None:
-                    got = fds[j] = _open_page(folder, *places[j])
+                    got = fds[j] = _open_page(folder, *places[j], tidy=touch)
                     if read_ahead and isinstance(got, int):
                         os.posix_fadvise(got, 0, 0, os.POSIX_FADV_WILLNEED)  # start the disk read now
 
@@ -211,12 +216,14 @@ def read_pages(
                         if os.fstat(fd).st_size != expected or _preadv(fd, into[i].buffers()) != expected:
                             sfd = folder.shard(places[i][0])
                             assert sfd is not None  # the page was opened in it
-                            unlink_at(sfd, places[i][1])
+                            if touch:
+                                unlink_at(sfd, places[i][1])
                             return i, "size"
-                        try:
-                            os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
-                        except OSError:
-                            pass  # another user's file in a shared folder: read, but not ours to touch
+                        if touch:
+                            try:
+                                os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
+                            except OSError:
+                                pass  # another user's file in a shared folder: read, but not ours to touch
                     finally:
                         os.close(fd)
                 return n, None
