@@ -24,6 +24,7 @@ from hicache.metrics import serve
 
 from .test_attach_detach import config, file_entry
 
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 SECRET = f"s3cr3t-{uuid.uuid4().hex}"  # what the server's environment holds, and nobody may read back
 
 
@@ -129,7 +130,8 @@ async def test_no_attach_error_quotes_an_expanded_value(tmp_path: Path, secrets_
 async def test_an_admin_attach_never_imports_a_class_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     module = f"hostile_{uuid.uuid4().hex[:8]}"
     marker = tmp_path / "imported"
-    (tmp_path / f"{module}.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\nclass Thing: pass\n")
+    code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\nclass Thing: pass\n"
+    (tmp_path / f"{module}.py").write_text(code)
     monkeypatch.syspath_prepend(str(tmp_path))
     async with HiCache.from_config(config([])) as cache, serve(cache, port=0, admin=True) as server:
         for kind in (f"{module}:Thing", f"{module}.Thing", "os:system", "hicache.tiers.storage.memory:MemoryBackend"):
@@ -174,7 +176,7 @@ async def test_a_large_head_is_refused_however_it_arrives(tmp_path: Path) -> Non
             assert (await anyio.to_thread.run_sync(raw, server.port, bad))[0] == 400, bad
         big_body = b"{" + b" " * (65 * 1024) + b"}"
         assert (await anyio.to_thread.run_sync(post, server.port, "/admin/storage/attach", big_body))[0] == 413
-        assert await anyio.to_thread.run_sync(raw, server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n") == (200, b"ok\n")
+        assert await anyio.to_thread.run_sync(raw, server.port, HEALTHZ) == (200, b"ok\n")
 
 
 async def test_a_deeply_nested_body_is_a_400_not_a_500(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -185,5 +187,5 @@ async def test_a_deeply_nested_body_is_a_400_not_a_500(tmp_path: Path, caplog: p
             status, answer = await anyio.to_thread.run_sync(post, server.port, "/admin/storage/attach", body)
             assert status == 400, answer[:200]
             assert "JSON" in json.loads(answer)["error"]
-        assert await anyio.to_thread.run_sync(raw, server.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n") == (200, b"ok\n")
+        assert await anyio.to_thread.run_sync(raw, server.port, HEALTHZ) == (200, b"ok\n")
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

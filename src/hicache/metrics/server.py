@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 _MAX_HEAD = 16 * 1024  # request line and headers
 _MAX_BODY = 64 * 1024
 _MAX_DEPTH = 32  # of a JSON body: an entry is a few levels deep
+_TOO_DEEP = f"the body is not JSON this server takes: nested deeper than {_MAX_DEPTH} levels"
 _READ_TIMEOUT_S = 10.0
 _RECEIVE_BYTES = 65536
 _DRAIN_S, _DRAIN_BYTES = 1.0, 1024 * 1024  # after an error answer (see _respond)
@@ -208,11 +209,11 @@ def _json_body(body: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as exc:
         raise _BadRequest(400, f"the body is not JSON: {exc}") from None
     except RecursionError:  # the parser's own stack: nested deeper than Python's recursion limit
-        raise _BadRequest(400, f"the body is not JSON this server takes: nested deeper than {_MAX_DEPTH} levels") from None
+        raise _BadRequest(400, _TOO_DEEP) from None
     if not isinstance(value, dict):
         raise _BadRequest(400, "the body must be a JSON object")
     if _depth(value) > _MAX_DEPTH:  # what passes the parser may still be too deep to print or validate
-        raise _BadRequest(400, f"the body is not JSON this server takes: nested deeper than {_MAX_DEPTH} levels")
+        raise _BadRequest(400, _TOO_DEEP)
     return value
 
 

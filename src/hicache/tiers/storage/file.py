@@ -88,7 +88,9 @@ def expand_path(path: str, environ: Mapping[str, str] = os.environ) -> Path:
         name = match["name"]
         if name not in environ:
             if environ is os.environ:
-                raise ValueError(f"environment variable {name} in path {path!r} is not set: set it, or write the path out")
+                raise ValueError(
+                    f"environment variable {name} in path {path!r} is not set: set it, or write the path out"
+                )
             raise ValueError(
                 f"path {path!r} names the environment variable {name}, and an entry sent to the admin endpoint is "
                 "expanded from no environment: write the path out (`hicache admin attach` expands ${VAR} from "

@@ -20,12 +20,13 @@ shown in stats, logs or config dumps.
 page's key hashes to its own slot (no hash tags, so one prompt's pages spread over every shard, and
 a ``key_prefix`` with braces is refused). redis-py's cluster client keeps the slot map, asked of
 whichever known node answers (never through ``RedisCluster.initialize()``, which needs the primary
-of slot 0 up: see ``_slot_map``); a batch is split per primary and each part goes out as one pipeline on that node's own connection pool, all
-parts at once. Why not ``RedisCluster.pipeline()``: with one primary down it failed the whole batch
-of 30 keys after 3 s of retries (each of which closes every node's connections; redis-py 8.1,
-measured), where a cache wants that node's pages to be misses and the others served at once. A
-node that answers ``MOVED``/``ASK`` (slots migrated) or cannot be reached makes the next call
-refresh the slot map (at most once a second while a node stays down).
+of slot 0 up: see ``_slot_map``); a batch is split per primary and each part goes out as one
+pipeline on that node's own connection pool, all parts at once. Why not
+``RedisCluster.pipeline()``: with one primary down it failed the whole batch of 30 keys after 3 s
+of retries (each of which closes every node's connections; redis-py 8.1, measured), where a cache
+wants that node's pages to be misses and the others served at once. A node that answers
+``MOVED``/``ASK`` (slots migrated) or cannot be reached makes the next call refresh the slot map
+(at most once a second while a node stays down).
 ``clear`` scans every primary. Set ``cluster-require-full-coverage no`` on the servers, so the other
 primaries keep serving while one is down.
 """
