@@ -259,7 +259,7 @@ async def _read_request(stream: SocketStream, conn: h11.Connection) -> tuple[h11
             if length is not None and int(length) > _MAX_BODY:  # h11 checked it is a number
                 raise _BadRequest(413, f"bodies are at most {_MAX_BODY} bytes")
             if conn.they_are_waiting_for_100_continue:
-                await stream.send(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+                await stream.send(conn.send(h11.InformationalResponse(status_code=100, headers=[], reason="Continue")))
         elif isinstance(event, h11.Data):
             body += event.data
             if len(body) > _MAX_BODY:
@@ -272,12 +272,14 @@ async def _read_request(stream: SocketStream, conn: h11.Connection) -> tuple[h11
 
 
 async def _respond(stream: SocketStream, conn: h11.Connection, status: int, ctype: str, payload: bytes) -> None:
-    """Send the answer and close. After an error, what the client still sends is read and dropped
-    for a moment (bounded), so closing with unread bytes does not reset the connection under the answer."""
+    """Send the answer (within ``_READ_TIMEOUT_S``: a client that does not read is dropped) and close.
+    After an error, what the client still sends is read and dropped for a moment (bounded), so
+    closing with unread bytes does not reset the connection under the answer."""
     headers = [("Content-Type", ctype), ("Content-Length", str(len(payload))), ("Connection", "close")]
     try:
         data = conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, "")))
-        await stream.send(data + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
+        with anyio.move_on_after(_READ_TIMEOUT_S):
+            await stream.send(data + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
         if status >= 400:
             await stream.send_eof()
             with anyio.move_on_after(_DRAIN_S):
