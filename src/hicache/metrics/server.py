@@ -103,8 +103,11 @@ class MetricsServer:
         async with stream:
             conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
             try:
-                with anyio.fail_after(_READ_TIMEOUT_S):
-                    request, body = await _read_request(stream, conn)
+                try:
+                    with anyio.fail_after(_READ_TIMEOUT_S):
+                        request, body = await _read_request(stream, conn)
+                except TimeoutError:
+                    return  # a client that does not finish its request in time: dropped
                 headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers}
                 status, ctype, payload = await self._route(
                     request.method.decode("ascii", "replace"), request.target.decode("latin-1"), headers, body
@@ -114,10 +117,8 @@ class MetricsServer:
             except h11.RemoteProtocolError as exc:  # what h11 refuses: a malformed or oversized request
                 status = exc.error_status_hint
                 message = (f"the request line and headers are at most {_MAX_HEAD} bytes" if status == 431
-                           else f"malformed request: {exc}")
+                           else f"malformed request: {str(exc)[:200]}")
                 ctype, payload = "application/json", _json({"error": message})
-            except TimeoutError:
-                return  # a client that does not finish its request in time: dropped
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
                 return
             except Exception as exc:  # a bug must cost one request a 500, never the server (or the caller's block)
