@@ -513,7 +513,8 @@ def load_config(
 #: process's own configuration: ``kind`` must be a built-in or an installed plugin (a class path is
 #: refused before anything is imported), and the backend's settings read nothing from this process's
 #: environment (``environ``: none; ``tiers.storage.base.settings_environ``): a file tier's ``$VAR``
-#: are unset variables, an s3 tier takes no ``AWS_*`` credentials.
+#: are unset variables, an s3 tier takes no ``AWS_*`` credentials. The tier is then built from the
+#: validated entry like any other: validation already refused whatever would have read the environment.
 REQUEST_CONTEXT: Mapping[str, Any] = MappingProxyType({"class_paths": False, "environ": MappingProxyType({})})
 
 
