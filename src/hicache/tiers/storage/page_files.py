@@ -17,7 +17,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from .base import PageIO
+from .base import PageIO, fits
 
 __all__ = ["CORRUPT", "SUFFIX", "Folder", "Refused", "delete_pages", "read_pages", "unlink_at", "write_pages"]
 
@@ -179,11 +179,13 @@ def _open_page(folder: Folder, shard: str, name: str) -> int | str:
 
 
 def read_pages(
-    root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int
+    root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int,
+    sizes: list[int] | None = None,
 ) -> tuple[int, str | None]:
     """Read consecutive pages until one is missing or unusable; ``(count, problem)``.
 
-    Every descriptor opened here is closed before it returns, whatever happens.
+    With ``sizes``, pages vary in size (``StorageBackend.get``): each fills its buffers from the
+    start and its size is recorded. Every descriptor opened here is closed before it returns.
     """
     fds: dict[int, int | str] = {}
     n = len(places)
@@ -207,12 +209,14 @@ def read_pages(
                     if isinstance(fd, str):
                         return i, fd
                     try:
-                        expected = into[i].nbytes
-                        if os.fstat(fd).st_size != expected or _preadv(fd, into[i].buffers()) != expected:
+                        size = os.fstat(fd).st_size
+                        if not fits(size, into[i].nbytes, sizes) or _preadv(fd, into[i].buffers()) != size:
                             sfd = folder.shard(places[i][0])
                             assert sfd is not None  # the page was opened in it
                             unlink_at(sfd, places[i][1])
                             return i, "size"
+                        if sizes is not None:
+                            sizes[i] = size
                         try:
                             os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
                         except OSError:
