@@ -104,7 +104,7 @@ class PageCodec:
     def __post_init__(self) -> None:
         ids = self.chain.ids
         # A chain's pages are another namespace: other names, another namespace field, other keys.
-        namespace = variant_digest(self.namespace, "codec:" + ids.hex()) if ids else self.namespace
+        namespace = variant_digest(self.namespace, "codec:" + self.chain.variant) if ids else self.namespace
         if self.tenant_key is None:
             mac_key = None
             name_key = namespace if ids else None  # exact pages keep the page key as their name

@@ -18,6 +18,7 @@ straight into the output buffer (the host page on read), so a page is touched on
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import ClassVar
 
@@ -55,6 +56,12 @@ class AesGcm(Codec):
             raise ValueError("AES-256-GCM takes a 32-byte key")
         self._aead = AESGCM(key)
         self._invalid = InvalidTag
+        # Pages sealed under another key are another namespace's: other names, never a decrypt war.
+        self._fingerprint = hashlib.blake2b(key, person=b"hicache-aes-id", digest_size=8).hexdigest()
+
+    @property
+    def variant(self) -> str:
+        return f"{self.name}:{self._fingerprint}"
 
     def __repr__(self) -> str:
         return "<AesGcm aes-gcm key=**********>"

@@ -69,7 +69,7 @@ class Codec(ABC):
 
     @property
     def variant(self) -> str:
-        """What distinguishes this stage's output for the namespace (lossy stages only)."""
+        """What distinguishes this stage's pages in the namespace (its name; a key's fingerprint too)."""
         return self.name
 
     @abstractmethod
@@ -123,6 +123,11 @@ class CodecChain:
     @property
     def ids(self) -> bytes:
         return bytes(s.id for s in self.stages)
+
+    @property
+    def variant(self) -> str:
+        """What makes this chain's pages interchangeable only with its own (the namespace variant)."""
+        return ",".join(s.variant for s in self.stages)
 
     @property
     def names(self) -> tuple[str, ...]:
