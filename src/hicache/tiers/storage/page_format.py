@@ -217,7 +217,14 @@ class PageCodec:
 
         Pure CPU work for one page: the tier runs it in worker threads, one page per task.
         """
-        data = payload[0] if len(payload) == 1 else memoryview(b"".join(payload))
+        if len(payload) == 1:
+            data = payload[0]
+        else:  # a layer_first host page: its pieces, joined in page-first order
+            data = memoryview(bytearray(sum(len(p) for p in payload)))
+            pos = 0
+            for piece in payload:
+                data[pos : pos + len(piece)] = piece
+                pos += len(piece)
         stored = run_encode(self.chain.stages, data, self.geometry, self._aad(key))
         fields = self._fields(key, len(stored))
         header = bytearray(HEADER_BYTES)

@@ -51,6 +51,8 @@ class Int8(Codec):
 
     def _view(self, buf: memoryview) -> torch.Tensor:
         g = self.geometry
+        if buf.readonly:  # torch only wraps writable memory (bytes read back whole, e.g. by inspect)
+            buf = memoryview(bytearray(buf))
         return torch.frombuffer(buf, dtype=g.dtype).view(
             g.components, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim
         )
@@ -83,7 +85,7 @@ class Int8(Codec):
         if len(data) != self._stored:
             raise CodecError("length")
         g = self.geometry
-        raw = torch.frombuffer(data, dtype=torch.uint8)
+        raw = torch.frombuffer(memoryview(bytearray(data)) if data.readonly else data, dtype=torch.uint8)
         q = raw[: self._values].view(torch.int8).view(g.components, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim)
         scales = raw[self._values :].view(torch.float16)
         if out is None or len(out) != g.page_bytes:
