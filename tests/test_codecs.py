@@ -251,6 +251,15 @@ async def test_the_cache_serves_a_lossy_tier_end_to_end(tmp_path: os.PathLike) -
         await push_to_storage(cache)
         written = cache.stats().storage["file"]
         assert written.codec.encoded_pages == 3 and written.codec.saved_bytes > 0
+        from hicache.metrics import HiCacheCollector
+
+        samples = {(m.name, tuple(sorted(x.labels.items()))): x.value
+                   for m in HiCacheCollector(cache).collect() for x in m.samples}
+        logical = samples[("hicache_storage_codec_bytes", (("direction", "encode"), ("form", "logical"),
+                                                             ("kind", "file"), ("tier", "file")))]
+        stored = samples[("hicache_storage_codec_bytes", (("direction", "encode"), ("form", "stored"),
+                                                            ("kind", "file"), ("tier", "file")))]
+        assert logical == 3 * config.page_bytes and 0 < stored < logical / 1.9
     async with HiCache.from_config(config) as cache:  # a fresh process: only the file tier holds the pages
         hit = await cache.lookup(tokens)
         assert hit.tokens == len(tokens)
@@ -262,3 +271,37 @@ async def test_the_cache_serves_a_lossy_tier_end_to_end(tmp_path: os.PathLike) -
                 assert torch.allclose(k, kv[0, layer], atol=0.05) and torch.allclose(v, kv[1, layer], atol=0.05)
                 assert not torch.equal(k, kv[0, layer])  # quantised, as asked
         assert cache.stats().storage["file"].codec.decoded_pages == 3
+
+
+def test_inspect_shows_each_pages_codec_and_bytes_saved(tmp_path, capsys) -> None:  # noqa: ANN001
+    import json
+
+    import anyio
+    import yaml
+
+    from hicache import HiCache
+    from hicache.inspect.cli import main
+
+    from .conftest import make_config, make_kv, make_tokens
+    from .helpers import push_to_storage
+
+    entry = {"kind": "file", "path": str(tmp_path / "pages"), "codec": ["lossless"]}
+    config = make_config(4, 16, tiers={"storage": [entry]})
+
+    async def fill() -> None:
+        async with HiCache.from_config(config) as cache:
+            await cache.store(make_tokens(config.page_size * 2), make_kv(config, config.page_size * 2))
+            await push_to_storage(cache)
+
+    anyio.run(fill)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    assert main(["pages", str(path), "--json", "--quiet"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    assert [p["codec"] for p in listing["pages"]] == ["lossless", "lossless"]
+    assert all(p["ours"] and p["format"] == 3 and p["saved_bytes"] > 0 for p in listing["pages"])
+    assert main(["summary", str(path), "--quiet"]) == 0
+    table = capsys.readouterr().out
+    assert "lossless" in table and "this config" in table
+    assert main(["verify", str(path), "--quiet"]) == 0
+    assert "2 verified" in capsys.readouterr().out
