@@ -4,6 +4,7 @@ Usage (``--backend redis`` / ``mooncake`` / ``s3`` / ``redis-cluster`` run ``sto
 ``storage_mooncake.py`` / ``storage_s3.py`` / ``storage_redis_cluster.py``, the shared tiers'
 benchmarks, with the other arguments)::
 
+    python benchmarks/storage.py --codecs none,lossless,int8,aes-gcm [--backend file|redis|s3] ...  # the codec axis
     python benchmarks/storage.py [--backend file|redis|mooncake|s3|redis-cluster] [--pages 256] [--layers 30] [--heads 3] [--head-dim 64] [--page-size 64]
                                  [--dtype float32] [--repeat 3] [--dir DIR] [--host-layout page_first|layer_first]
                                  [--fsync always|never] [--tenant-key KEY] [--json out.json]
@@ -196,6 +197,11 @@ def summarize(times: dict[str, dict[str, list[float]]], op_bytes: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # The codec axis (bytes per page, logical GB/s per codec chain, for file, redis and s3) is
+    # benchmarks/storage_codecs.py: `--codecs none,lossless,...` runs it with the other arguments.
+    if any(a == "--codecs" or a.startswith("--codecs=") for a in argv):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        return __import__("storage_codecs").main(argv)
     # The shared tiers have their own scripts (a server to start, a raw client to compare with);
     # `--backend redis|mooncake|s3|redis-cluster` runs them with the remaining arguments.
     if "--backend" in argv:

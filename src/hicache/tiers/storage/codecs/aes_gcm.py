@@ -72,9 +72,11 @@ class AesGcm(Codec):
     def max_encoded_bytes(self, n: int) -> int:
         return n + NONCE_BYTES + TAG_BYTES
 
-    def encode(self, data: memoryview, page: PageContext) -> memoryview:
-        out = np.empty(len(data) + NONCE_BYTES + TAG_BYTES, np.uint8)
+    def encode(self, data: memoryview, page: PageContext) -> memoryview | bytes:
         nonce = os.urandom(NONCE_BYTES)
+        if not hasattr(self._aead, "encrypt_into"):  # cryptography before encrypt_into: one more copy
+            return nonce + self._aead.encrypt(nonce, bytes(data), page.aad)
+        out = np.empty(len(data) + NONCE_BYTES + TAG_BYTES, np.uint8)
         out[:NONCE_BYTES] = np.frombuffer(nonce, np.uint8)
         self._aead.encrypt_into(nonce, data, page.aad, out[NONCE_BYTES:])
         return memoryview(out)
@@ -83,9 +85,12 @@ class AesGcm(Codec):
         n = len(data) - NONCE_BYTES - TAG_BYTES
         if n < 0 or n > page.max_decoded_bytes or (page.decoded_bytes is not None and n != page.decoded_bytes):
             raise CodecError("length")
-        dst = out if out is not None and len(out) == n else memoryview(np.empty(n, np.uint8))
+        nonce = bytes(data[:NONCE_BYTES])
         try:
-            self._aead.decrypt_into(bytes(data[:NONCE_BYTES]), data[NONCE_BYTES:], page.aad, dst)
+            if not hasattr(self._aead, "decrypt_into"):
+                return self._aead.decrypt(nonce, bytes(data[NONCE_BYTES:]), page.aad)
+            dst = out if out is not None and len(out) == n else memoryview(np.empty(n, np.uint8))
+            self._aead.decrypt_into(nonce, data[NONCE_BYTES:], page.aad, dst)
         except self._invalid:
             raise CodecError("decrypt") from None
         return dst
