@@ -134,6 +134,9 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
     tier = StorageTier("file", backend, codec, host, batch_pages=max(1, (64 * 2**20) // g.page_bytes))
     host_pages = list(range(n))
     times: dict[str, dict[str, list[float]]] = {op: {"raw": [], "hicache": []} for op in ("write", "read")}
+    # CPU seconds of the whole process (every thread) per operation: steadier than wall time on a
+    # shared machine, and what the tier costs beyond the raw operation.
+    cpu: dict[str, dict[str, list[float]]] = {op: {"raw": [], "hicache": []} for op in ("write", "read")}
 
     async with tier:
         for _ in tqdm(range(args.repeat), desc="repetitions", file=sys.stderr, leave=False):
@@ -143,21 +146,27 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
             fsync(root)
             keys = [os.urandom(16) for _ in range(n)]
 
+            c0 = time.process_time()
             times["write"]["raw"].append(raw_write(raw_file, raw_header, saved_bytes, args.fsync == "always"))
-            t0 = time.perf_counter()
+            cpu["write"]["raw"].append(time.process_time() - c0)
+            t0, c0 = time.perf_counter(), time.process_time()
             written = await tier.store(keys, host_pages)
             times["write"]["hicache"].append(time.perf_counter() - t0)
+            cpu["write"]["hicache"].append(time.process_time() - c0)
             assert written == n, f"store wrote {written} of {n} pages"
 
+            c0 = time.process_time()
             times["read"]["raw"].append(raw_read(raw_file, raw_header, host_bytes))
+            cpu["read"]["raw"].append(time.process_time() - c0)
             assert np.array_equal(host_bytes, saved_bytes), "raw read differs from the bytes written"
 
             host.buffer.zero_()
             for name in codec.storage_keys(keys):  # the files are named by the codec (keyed names with a key)
                 fsync(backend.path_of(name), drop_cache=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             got = await tier.fetch(keys, host_pages)
             times["read"]["hicache"].append(time.perf_counter() - t0)
+            cpu["read"]["hicache"].append(time.process_time() - c0)
             assert got == n, f"fetch verified {got} of {n} pages"
             assert torch.equal(host.page_major().view(torch.int32), saved.view(torch.int32)), "fetched pages differ"
         stats = backend.stats()
@@ -174,6 +183,7 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
         "fsync": args.fsync,
         "repeat": args.repeat,
         "mac": "blake3 keyed (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)",
+        "cpu_seconds": cpu,
         "backend_stats": {
             "pages_written": stats.pages_written, "pages_read": stats.pages_read, "errors": stats.errors,
             "timeouts": stats.timeouts, "corrupt_pages": stats.corrupt_pages, "tier_failures": tier.failures,
@@ -262,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
     for cells in [headers, *body]:
         print("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+    cpu = meta["cpu_seconds"]
+    print("CPU seconds per GB (median; every thread of the process): " + ", ".join(
+        f"{op} raw {statistics.median(cpu[op]['raw']) / meta['op_bytes'] * 1e9:.2f} / hicache "
+        f"{statistics.median(cpu[op]['hicache']) / meta['op_bytes'] * 1e9:.2f}" for op in ("write", "read")))
     verdicts = (f"{op} {'yes' if r['ratio_median'] >= 0.8 else 'NO'}" for op, r in rows.items())
     print(f"\ntarget >= 0.8 x raw (medians): {', '.join(verdicts)}")
     print("backend stats: " + ", ".join(f"{k} {v}" for k, v in meta["backend_stats"].items()))
