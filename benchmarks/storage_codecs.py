@@ -216,6 +216,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         from hicache.tiers.storage.redis import RedisBackend
         from tests.servers import start_valkey
 
+        (workdir / "valkey").mkdir()
         server = start_valkey(workdir / "valkey")
         stop.append(server)
         url = f"redis://127.0.0.1:{server.port}/0"
@@ -225,6 +226,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         from hicache.tiers.storage.s3 import S3Backend
         from tests.servers import start_seaweedfs
 
+        (workdir / "s3").mkdir(exist_ok=True)
         server = start_seaweedfs(workdir / "s3")
         stop.append(server)
         make = lambda spec: S3Backend(**server.settings(key_prefix=f"bench-{spec.replace('+', '-')}",  # noqa: E731
