@@ -55,7 +55,7 @@ import xxhash
 
 from ...keys import KEY_BYTES, TenantKey, variant_digest
 from ..base import KVGeometry
-from .codecs import CODEC_KINDS, CodecChain, CodecError, name_of_id, run_decode, run_encode
+from .codecs import CodecChain, CodecError, name_of_id, run_decode, run_encode
 
 __all__ = [
     "CODEC_FORMAT_VERSION", "HEADER_BYTES", "FORMAT_VERSION", "KEYED_CODEC_FORMAT_VERSION", "KEYED_FORMAT_VERSION",
