@@ -15,8 +15,10 @@ this stage live in another namespace (``PageCodec``): an exact reader never gets
 
 from __future__ import annotations
 
+import threading
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ...base import KVGeometry
@@ -36,6 +38,7 @@ class Int8(Codec):
         if not geometry.dtype.is_floating_point or geometry.dtype.itemsize < 2:
             raise ValueError(f"int8 quantises fp16, bf16, fp32 or fp64 KV, not {geometry.dtype}")
         self.geometry = geometry
+        self._scratch = threading.local()
         g = geometry
         self._values = g.components * g.num_layers * g.page_size * g.num_kv_heads * g.head_dim
         per_channel = g.num_layers * g.num_kv_heads * g.head_dim if g.components == 2 else 0
@@ -57,6 +60,20 @@ class Int8(Codec):
             g.components, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim
         )
 
+    def _as_fp32(self, data: memoryview) -> torch.Tensor:
+        """The page as fp32 ``[C, L, P, H, D]``. bf16 is widened by placing its bits in the high half
+        of each fp32 (exact, and 5x faster than torch's conversion on this CPU)."""
+        g = self.geometry
+        shape = (g.components, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim)
+        if g.dtype != torch.bfloat16:
+            return self._view(data).float()
+        wide = getattr(self._scratch, "wide", None)
+        if wide is None or wide.shape[0] != len(data) // 2:
+            # One per worker thread, reused: the low halves stay zero, only the high ones are written.
+            wide = self._scratch.wide = np.zeros((len(data) // 2, 2), np.uint16)
+        wide[:, 1] = np.frombuffer(data, np.uint16)  # little-endian: the high half of each fp32
+        return torch.from_numpy(wide.view(np.float32).reshape(shape))
+
     @staticmethod
     def _scale(amax: torch.Tensor) -> torch.Tensor:
         """fp16 scales (what is stored), as fp32; an all-zero group gets 1 (its values stay 0)."""
@@ -66,7 +83,7 @@ class Int8(Codec):
     def encode(self, data: memoryview, page: PageContext) -> memoryview:
         if len(data) != self.geometry.page_bytes:
             raise CodecError("length")
-        x = self._view(data).float()
+        x = self._as_fp32(data)
         out = torch.empty(self._stored, dtype=torch.uint8)
         q = out[: self._values].view(torch.int8).view(x.shape)
         scales = out[self._values :].view(torch.float16)
@@ -76,7 +93,7 @@ class Int8(Codec):
             per_channel = c == 0 and x.shape[0] == 2
             amax = comp.abs().amax(dim=1 if per_channel else 3, keepdim=True)
             scale = self._scale(amax)
-            q[c].copy_((comp / scale).round_().clamp_(-127, 127))
+            q[c].copy_((comp * scale.reciprocal()).round_().clamp_(-127, 127))
             scales[pos : pos + scale.numel()].copy_(scale.reshape(-1))
             pos += scale.numel()
         return memoryview(out.numpy())
