@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned, so nothing else can pull a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,bench,redis,mooncake,s3,metrics]'
+	$(BIN)/python -m pip install -q -e '.[test,bench,redis,mooncake,s3,metrics,codecs]'
 	# Mooncake's store needs libibverbs1; installed through apt when we are root on Debian.
 	if ! ldconfig -p | grep -q libibverbs.so.1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get install -y -q libibverbs1 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null); fi

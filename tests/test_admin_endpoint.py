@@ -165,7 +165,7 @@ async def test_a_large_head_is_refused_however_it_arrives(tmp_path: Path) -> Non
         for chunk in (None, 4096, 1):
             if chunk == 1:
                 big = big[: 20 * 1024] + b"\r\n\r\n"  # a byte at a time: still past the limit
-            status, _ = await anyio.to_thread.run_sync(lambda: raw(server.port, big, chunk=chunk))
+            status, _ = await anyio.to_thread.run_sync(lambda big=big, chunk=chunk: raw(server.port, big, chunk=chunk))
             assert status == 431, chunk
         many = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(3000)) + b"\r\n"
         assert (await anyio.to_thread.run_sync(raw, server.port, many))[0] == 431

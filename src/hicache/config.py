@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ENV_PREFIX", "SECRET_MASK", "ByteSize", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
+    "ENV_PREFIX", "SECRET_MASK", "ByteSize", "CodecConfig", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
     "IOConfig", "LoggingConfig", "ModelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
     "format_size", "load_config", "mask_url", "parse_size", "storage_entry",
 ]
@@ -211,6 +211,64 @@ class HostTierConfig(BaseModel):
     pin_memory: _PinMemory = "auto"
 
 
+_CODEC_ROLES = {"int8": 0, "lossless": 1, "aes-gcm": 2}  # lossy, lossless, encryption: the order of a chain
+_CODEC_OPTIONS: dict[str, set[str]] = {"int8": set(), "lossless": {"coder", "level"}, "aes-gcm": {"key"}}
+
+
+class CodecConfig(BaseModel):
+    """One stage of a storage tier's ``codec`` list (README "Storage tiers: codecs").
+
+    Written as a name (``lossless``) or a mapping (``{kind: aes-gcm, key: ${PAGE_KEY}}``):
+
+    * ``int8``: 8-bit KV, K scaled per channel and V per token (lossy: its pages are another namespace);
+    * ``lossless``: byte-shuffle + ``coder`` (``zstd`` at ``level``, or ``lz4``), from blosc2;
+    * ``aes-gcm``: AES-256-GCM at rest; the key derives from ``tenant_key``, or from ``key`` when set.
+    """
+
+    model_config = _FROZEN
+
+    kind: Literal["int8", "lossless", "aes-gcm"]
+    coder: Literal["zstd", "lz4"] = "zstd"
+    level: _Int = Field(default=1, ge=1, le=9)
+    key: SecretStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, value: object) -> object:
+        return {"kind": value} if isinstance(value, str) else value
+
+    @field_validator("key", mode="before")
+    @classmethod
+    def _key_text(cls, value: object) -> object:
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise ValueError("must be a string (quote it in YAML); the value is not shown")
+        if value == SECRET_MASK:
+            raise ValueError("is the mask hicache prints in place of a secret, not a key: set the real key")
+        if len(value) < MIN_TENANT_KEY_CHARS:
+            raise ValueError(f"must be at least {MIN_TENANT_KEY_CHARS} characters (the value is not shown)")
+        return value
+
+    @model_validator(mode="after")
+    def _options_of_its_kind(self) -> CodecConfig:
+        for name in sorted(self.model_fields_set - _CODEC_OPTIONS[self.kind] - {"kind"}):
+            raise _field_error(name, f"is not a setting of codec {self.kind!r}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _own_options(self, handler: Any) -> Any:
+        """Dumps name only the stage's own settings (so they load back)."""
+        data = handler(self)
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k == "kind" or k in _CODEC_OPTIONS[self.kind]}
+            if data.get("key") is None:
+                data.pop("key", None)
+        return data
+
+
 class StorageTierConfig(BaseModel):
     """One storage tier below the host pool: ``kind`` picks the backend, the other keys configure it.
 
@@ -224,6 +282,24 @@ class StorageTierConfig(BaseModel):
 
     kind: str = Field(min_length=1)
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
+    #: Stages applied to every page on write, in order, and undone in reverse on read (none: the
+    #: page is the KV itself, read and written in place).
+    codec: list[CodecConfig] = Field(default_factory=list)
+
+    @field_validator("codec", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, (str, dict)) else value
+
+    @field_validator("codec")
+    @classmethod
+    def _chain_order(cls, stages: list[CodecConfig]) -> list[CodecConfig]:
+        kinds = [c.kind for c in stages]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"each codec at most once, got {kinds}")
+        if kinds != sorted(kinds, key=_CODEC_ROLES.__getitem__):
+            raise ValueError(f"codecs go in the order int8, lossless, aes-gcm (quantise, compress, encrypt), got {kinds}")
+        return stages
 
     @model_validator(mode="after")
     def _backend_settings(self, info: ValidationInfo) -> StorageTierConfig:
@@ -247,6 +323,8 @@ class StorageTierConfig(BaseModel):
         """Dumps (``hicache config``, benchmark JSON) never show a backend's secrets."""
         data = handler(self)
         if isinstance(data, dict):
+            if not data.get("codec", True):
+                del data["codec"]  # dumps of tiers without codecs stay as they were
             for name in self._secret_fields():
                 if data.get(name) is not None:
                     data[name] = SECRET_MASK
@@ -283,7 +361,7 @@ class StorageTierConfig(BaseModel):
 
     @property
     def options(self) -> dict[str, Any]:
-        """The backend's own settings (every key but ``kind`` and ``name``)."""
+        """The backend's own settings (every key but ``kind``, ``name`` and ``codec``)."""
         return dict(self.model_extra or {})
 
 
@@ -448,6 +526,17 @@ class HiCacheConfig(BaseModel):
                     f"holds {capacity // page} pages, more than a pool indexes ({MAX_POOL_PAGES}): "
                     "lower it or raise page_size",
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _encryption_has_a_key(self) -> HiCacheConfig:
+        for i, tier in enumerate(self.tiers.storage):
+            for j, stage in enumerate(tier.codec):
+                if stage.kind == "aes-gcm" and stage.key is None and self.tenant_key is None:
+                    raise _field_error(
+                        f"tiers.storage[{i}].codec[{j}]",
+                        "aes-gcm needs a key: set tenant_key (the page key derives from it), or the codec's own `key`",
+                    )
         return self
 
     @model_validator(mode="after")

@@ -27,7 +27,9 @@ from .errors import InvalidTokensError
 if TYPE_CHECKING:
     from .config import HiCacheConfig
 
-__all__ = ["Namespace", "TenantKey", "TokenBytes", "as_token_bytes", "chain_keys", "KEY_BYTES", "TOKEN_BYTES"]
+__all__ = [
+    "Namespace", "TenantKey", "TokenBytes", "as_token_bytes", "chain_keys", "variant_digest", "KEY_BYTES", "TOKEN_BYTES",
+]
 
 KEY_BYTES = 16
 TOKEN_BYTES = 8  # int64 token ids
@@ -126,6 +128,16 @@ class Namespace:
             return hashlib.blake2b(fields.encode(), digest_size=KEY_BYTES).digest()
         seed_key = self.tenant_key.derive("chain-seed")
         return hashlib.blake2b(fields.encode(), key=seed_key, digest_size=KEY_BYTES).digest()
+
+
+def variant_digest(digest: bytes, variant: str) -> bytes:
+    """The namespace digest of a storage variant of ``digest`` (pages written through a codec chain).
+
+    Pages stored through a codec chain (quantised, compressed, encrypted) are interchangeable only
+    with pages of the same chain: their storage names and header namespace field derive from this
+    digest, so a reader that asked for exact KV never meets a quantised page under its names.
+    """
+    return hashlib.blake2b(variant.encode(), key=digest, person=b"hicache-variant", digest_size=KEY_BYTES).digest()
 
 
 _INT_DTYPES = frozenset(

@@ -163,6 +163,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     workload = base.make_workload()
     print(f"hicache bench {args.benchmark}: model {args.model} ({MODELS[args.model].description})", file=sys.stderr)
     print(f"  workload {workload}; {workload.requests} requests, {workload.kv_tokens():,} tokens of KV", file=sys.stderr)
+    # With `lossy` and `no-cache` both in the run: their first-token logits, to compare (lossy_figures).
+    lossy_pair = {"lossy", "no-cache"} if {"lossy", "no-cache"} <= set(configs) and not args.interleave else set()
     orders = run_order(configs, args.repeat)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     for k, order in enumerate(orders):
@@ -174,7 +176,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 runs[name].append(together[name])
             continue
         for name in order:
-            spec = RunSpec(**{**asdict(base), "configuration": name})
+            spec = RunSpec(**{**asdict(base), "configuration": name, "first_logits": name in lossy_pair})
             runs[name].append(_run_worker(spec))
     results = {name: pool(rs) for name, rs in runs.items()}
     summaries = {name: summarise_runs(rs) for name, rs in runs.items()}
@@ -186,6 +188,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for name, rs in runs.items():
         summaries[name]["outputs_differ_from_" + configs[0]] = sum(
             1 for r in rs for k, v in outputs_of(r["records"]).items() if reference.get(k) != v)
+    if lossy_pair:
+        summaries["lossy"].update(lossy_figures(runs, out))
     repeats = per_repeat(runs, orders) if args.repeat > 1 else []
     tiers = sorted({t for s in summaries.values() for t in s["hit_rate_by_tier"]}, key=_tier_order)
     report = {
@@ -230,6 +234,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print()
     print("hit rate per round:")
     print(format_rounds(summaries))
+    if lossy_pair:
+        lossy = summaries["lossy"]
+        print(f"lossy (int8 KV on the file tier) against no-cache: greedy outputs identical on "
+              f"{lossy['greedy_agreement_with_no_cache']:.1%} of {lossy['requests']} requests (target >= 95%); "
+              f"first-token logits |lossy - no-cache| mean {lossy['first_token_logit_mean_abs_diff']:.4f}, "
+              f"max {lossy['first_token_logit_max_abs_diff']:.4f} over {lossy['first_token_logit_requests']} "
+              f"requests with the same prompt")
     for name, s in summaries.items():
         differ = s["outputs_differ_from_" + configs[0]]
         if differ:
@@ -253,6 +264,29 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     else:
         print(f"\nwrote {out / 'results.json'}")
     return report
+
+
+def lossy_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> dict[str, Any]:
+    """Greedy-output agreement of ``lossy`` with ``no-cache`` over the trace (every repeat), and the
+    mean and max absolute first-token logit difference over the requests whose prompts match."""
+    import torch
+
+    reference = [outputs_of(r["records"]) for r in runs["no-cache"]]
+    same = total = 0
+    for i, run in enumerate(runs["lossy"]):
+        ref = reference[min(i, len(reference) - 1)]
+        for key, output in outputs_of(run["records"]).items():
+            total += 1
+            same += ref.get(key) == output
+    exact = torch.load(out / "first-logits-no-cache.pt")
+    lossy = torch.load(out / "first-logits-lossy.pt")
+    diffs = [(lossy[k] - exact[k]).abs() for k in lossy.keys() & exact.keys()]
+    return {
+        "greedy_agreement_with_no_cache": same / total if total else float("nan"),
+        "first_token_logit_mean_abs_diff": float(torch.stack([d.mean() for d in diffs]).mean()) if diffs else float("nan"),
+        "first_token_logit_max_abs_diff": float(max(d.max() for d in diffs)) if diffs else float("nan"),
+        "first_token_logit_requests": len(diffs),
+    }
 
 
 def _avg60(p: dict[str, float] | None) -> str:

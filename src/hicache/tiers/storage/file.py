@@ -111,6 +111,7 @@ class FileBackend(StorageBackend):
     kind = "file"
     max_batch = 64
     can_list = True
+    variable_size_pages = True
 
     class Settings(BackendSettings):
         path: str = Field(min_length=1)
@@ -327,12 +328,19 @@ class FileBackend(StorageBackend):
         return len(keys)
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        return await self._read(keys, into, None)
+
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        return await self._read(keys, into, sizes)
+
+    async def _read(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int] | None) -> int:
         places = [self._place(k) for k in keys]
         done, problem = await anyio.to_thread.run_sync(
-            read_pages, self.root, self._refused, places, into, self.settings.read_ahead, self.settings.touch_on_read
+            read_pages, self.root, self._refused, places, into, self.settings.read_ahead,
+            self.settings.touch_on_read, sizes,
         )
-        for key, io in zip(keys[:done], into[:done], strict=True):
-            self._remember(key, io.nbytes)
+        for i, (key, io) in enumerate(zip(keys[:done], into[:done], strict=True)):
+            self._remember(key, io.nbytes if sizes is None else sizes[i])
         if problem is not None:
             self._forget(keys[done])
             if problem in CORRUPT:

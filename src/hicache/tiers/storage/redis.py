@@ -43,7 +43,7 @@ import anyio
 from pydantic import Field, SecretStr, model_validator
 
 from ...config import ByteSize
-from .base import BackendSettings, PageIO, StorageBackend, StoredPage
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage, fits, scatter
 from .lru_index import LruIndex
 from .page_format import HEADER_BYTES
 
@@ -63,6 +63,7 @@ def scan_pattern(prefix: bytes) -> bytes:
 class RedisBackend(StorageBackend):
     kind = "redis"
     can_list = True
+    variable_size_pages = True
     #: Pages per pipeline: 32 pages of a few MiB keep one round trip well under the server's limits.
     max_batch = 32
 
@@ -280,21 +281,25 @@ class RedisBackend(StorageBackend):
         return n
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        return await self._read(keys, into, None)
+
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        return await self._read(keys, into, sizes)
+
+    async def _read(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int] | None) -> int:
         names = [self._key(k) for k in keys]
         values = await self._pipelined(names, lambda pipe, i: pipe.get(names[i]))
         # A value that is lost, or not a page of this size, is a miss from there on.
         n = self._leading(values, lambda blob: blob is not None, "get")
         for i in range(n):
             blob, io = values[i], into[i]
-            if len(blob) != io.nbytes:  # type: ignore[arg-type]
+            if not fits(len(blob), io.nbytes, sizes):  # type: ignore[arg-type]
                 n = i
                 break
-            view = memoryview(blob)  # type: ignore[arg-type]
-            pos = 0
-            for buf in io.buffers():
-                buf[:] = view[pos : pos + len(buf)]
-                pos += len(buf)
-            self._index.remember(keys[i], io.nbytes)
+            scatter(blob, io)
+            if sizes is not None:
+                sizes[i] = len(blob)  # type: ignore[arg-type]
+            self._index.remember(keys[i], len(blob))  # type: ignore[arg-type]
         if n < len(keys):
             self._index.forget(keys[n])
         return n
