@@ -11,6 +11,10 @@ Backends never see page keys: the codec names each page (``PageCodec.storage_key
 key, a keyed hash of the page key) and the tier hands those names down, and checks every page read
 against its name, so a page stored under another name, by another tenant or by a forger is a miss.
 
+The pages need not live in hicache's own host pool: ``fetch`` and ``store`` take a ``source``, any
+object whose ``page_pieces()`` lends pages as byte pieces (an engine's own host pool, as the SGLang
+backend does, or a few loose page buffers); by default the tier's host pool.
+
 Detaching (``HiCache.detach_storage``): once ``detached`` is set, every operation is a miss or an
 unwritten page without calling the backend, and ``wait_idle()`` returns when the calls already in
 flight have ended, so the backend can be closed under nobody.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import anyio
 import numpy as np
@@ -32,9 +37,18 @@ from ..host import HostPool
 from .base import PageIO, StorageBackend
 from .page_format import HEADER_BYTES, PageCodec
 
-__all__ = ["StorageTier"]
+__all__ = ["PageSource", "StorageTier"]
 
 log = logging.getLogger(__name__)
+
+
+class PageSource(Protocol):
+    """Memory a tier reads pages into and writes them from, other than its host pool."""
+
+    def page_pieces(self) -> Any:
+        """Indexed by page: that page's payload as buffers (writable for ``fetch``), in canonical
+        order, their lengths adding up to the codec's payload bytes."""
+        ...
 
 
 class StorageTier:
@@ -43,7 +57,7 @@ class StorageTier:
         name: str,
         backend: StorageBackend,
         codec: PageCodec,
-        host: HostPool,
+        host: HostPool | None,
         *,
         batch_pages: int,
     ) -> None:
@@ -100,6 +114,7 @@ class StorageTier:
     def _host_pieces(self) -> np.ndarray:
         """The host pool as bytes: ``[pages, 1, page_bytes]`` or ``[pages, C * L, chunk_bytes]``."""
         if self._pieces is None:
+            assert self.host is not None, "a tier without a host pool is given a source on every call"
             g = self.codec.geometry
             raw = self.host.buffer.view(torch.uint8).numpy()  # no copy; the pool outlives the tier's use
             if self.host.layout == "page_first":
@@ -109,10 +124,10 @@ class StorageTier:
                 self._pieces = chunks.transpose(1, 0, 2)  # a view: page-major order of the pieces
         return self._pieces
 
-    def _page_ios(self, host_pages: Sequence[int]) -> list[PageIO]:
+    def _page_ios(self, host_pages: Sequence[int], source: PageSource | None = None) -> list[PageIO]:
         """Header buffers, and each host page's own memory as its payload pieces."""
         headers = np.zeros((len(host_pages), HEADER_BYTES), dtype=np.uint8)
-        pieces = self._host_pieces()
+        pieces = self._host_pieces() if source is None else source.page_pieces()
         return [
             PageIO(memoryview(headers[i]), tuple(memoryview(piece) for piece in pieces[p]))
             for i, p in enumerate(host_pages)
@@ -120,8 +135,10 @@ class StorageTier:
 
     # -- thread-side work -----------------------------------------------------------------------
 
-    def _encode(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[PageIO]:
-        ios = self._page_ios(host_pages)
+    def _encode(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], source: PageSource | None = None
+    ) -> list[PageIO]:
+        ios = self._page_ios(host_pages, source)
         for key, io in zip(keys, ios, strict=True):
             self.codec.encode(key, io.payload, io.header)
         return ios
@@ -155,8 +172,11 @@ class StorageTier:
         keys: Sequence[bytes],
         host_pages: Sequence[int],
         on_batch: Callable[[int, int], bool] | None = None,
+        *,
+        source: PageSource | None = None,
     ) -> int:
-        """Read pages ``keys`` into ``host_pages`` (allocated, not yet published); verified count.
+        """Read pages ``keys`` into ``host_pages`` (allocated, not yet published) of the host pool
+        (or of ``source``); verified count.
 
         Batches are pipelined: the next batch is read while this one is verified. After each
         batch, ``on_batch(first, good)`` may publish its ``good`` verified pages (indices
@@ -168,12 +188,16 @@ class StorageTier:
         if not self._enter():
             return 0
         try:
-            return await self._fetch(keys, host_pages, on_batch)
+            return await self._fetch(keys, host_pages, on_batch, source)
         finally:
             self._exit()
 
     async def _fetch(
-        self, keys: Sequence[bytes], host_pages: Sequence[int], on_batch: Callable[[int, int], bool] | None
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[int],
+        on_batch: Callable[[int, int], bool] | None,
+        source: PageSource | None = None,
     ) -> int:
         keys = self.codec.storage_keys(keys)
         starts = range(0, len(keys), self.batch_pages)
@@ -184,7 +208,7 @@ class StorageTier:
             async with send:
                 for first in starts:
                     k = keys[first : first + self.batch_pages]
-                    ios = self._page_ios(host_pages[first : first + self.batch_pages])
+                    ios = self._page_ios(host_pages[first : first + self.batch_pages], source)
                     try:
                         n = await self.backend.get(k, ios)
                         self._succeeded()
@@ -233,8 +257,11 @@ class StorageTier:
         except StorageError as exc:
             self._failed(exc)
 
-    async def store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
-        """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored.
+    async def store(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], *, source: PageSource | None = None
+    ) -> int:
+        """Write ``host_pages`` (pinned by the caller) of the host pool (or of ``source``) under
+        ``keys``; consecutive pages stored.
 
         Headers (checksums or MACs) of the next batch are encoded in a worker thread while this
         batch is written, so a MAC's CPU time hides behind the backend's I/O.
@@ -243,11 +270,13 @@ class StorageTier:
         if not self._enter():
             return 0
         try:
-            return await self._store(keys, host_pages)
+            return await self._store(keys, host_pages, source)
         finally:
             self._exit()
 
-    async def _store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+    async def _store(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], source: PageSource | None = None
+    ) -> int:
         keys = self.codec.storage_keys(keys)
         step = self.batch_pages
         starts = range(0, len(keys), step)
@@ -256,7 +285,7 @@ class StorageTier:
 
         async def encode(start: int) -> None:
             encoded[start] = await anyio.to_thread.run_sync(
-                self._encode, keys[start : start + step], host_pages[start : start + step]
+                self._encode, keys[start : start + step], host_pages[start : start + step], source
             )
 
         if starts:
