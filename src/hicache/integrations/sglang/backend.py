@@ -40,7 +40,7 @@ from .chain import StorageChain
 from .host_pages import FlatPages, HostPages, pages_of
 from .loop import PrivateLoop
 from .metrics import MetricsEndpoint, sglang_storage_metrics
-from .settings import backend_settings, cache_config_for, user_config
+from .settings import backend_settings, cache_config_for, check_model_name, user_config
 
 __all__ = ["HiCacheStorageBackend"]
 
@@ -53,7 +53,8 @@ class HiCacheStorageBackend(HiCacheStorage):
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         self.storage_config = storage_config
         self.settings = backend_settings(getattr(storage_config, "extra_config", None))
-        user_config(self.settings)  # a bad file, entry or key fails now, before SGLang goes on
+        # A bad file, entry, key or a model without a name fails now, before SGLang goes on.
+        check_model_name(user_config(self.settings), storage_config)
         self.config: HiCacheConfig | None = None
         self.namespace: Namespace | None = None
         self.mem_pool_host: Any = None

@@ -39,7 +39,7 @@ from ...config import HiCacheConfig, load_config
 from ...errors import ConfigError, UnsupportedModelError
 from .host_pages import PAGE_ORDERS
 
-__all__ = ["BackendSettings", "SGLANG_KEYS", "backend_settings", "cache_config_for"]
+__all__ = ["BackendSettings", "SGLANG_KEYS", "backend_settings", "cache_config_for", "check_model_name", "user_config"]
 
 log = logging.getLogger("hicache.sglang")
 
@@ -91,13 +91,25 @@ def user_config(settings: BackendSettings) -> HiCacheConfig:
     when SGLang builds the backend, before any geometry is known."""
     if settings.config is not None and not Path(settings.config).expanduser().is_file():
         raise ConfigError(f"extra config `config`: no hicache config file at {settings.config!r}")
-    config = load_config(settings.config, overrides=_overrides(settings))
+    # The heads a rank holds come from the host pool, later: the total is checked against them then.
+    config = load_config(settings.config, overrides=_merge(_overrides(settings), {"parallel": {"total_kv_heads": None}}))
     if not config.tiers.storage:
         raise ConfigError(
             "hicache's SGLang backend needs at least one storage tier: give `storage: [{kind: file, path: ...}]` "
             "in the extra config, or tiers.storage in the YAML named by `config`"
         )
     return config
+
+
+def check_model_name(user: HiCacheConfig, storage_config: Any) -> str:
+    """The model's name: the config's ``model.name`` if it sets one, else SGLang's; one there must be."""
+    name = user.model.name if "name" in user.model.model_fields_set else getattr(storage_config, "model_name", None)
+    if not name:
+        raise ConfigError(
+            "SGLang passed no model name (HiCacheStorageConfig.model_name is None): name the model in the hicache "
+            "config (model.name), or pages of different models could meet"
+        )
+    return str(name)
 
 
 def _model_section(storage_config: Any, pool: Any, user: HiCacheConfig) -> dict[str, Any]:
@@ -121,14 +133,7 @@ def _model_section(storage_config: Any, pool: Any, user: HiCacheConfig) -> dict[
             raise UnsupportedModelError(
                 f"K head dim {head_dim} != V head dim {pool.v_head_dim}: hicache's backend stores K and V alike"
             )
-    explicit = "name" in user.model.model_fields_set
-    name = user.model.name if explicit else storage_config.model_name
-    if not name:
-        raise ConfigError(
-            "SGLang passed no model name (HiCacheStorageConfig.model_name is None): name the model in the hicache "
-            "config (model.name), or pages of different models could meet"
-        )
-    name = f"{name}|sglang-{PAGE_ORDERS[(attention, layout)]}"
+    name = f"{check_model_name(user, storage_config)}|sglang-{PAGE_ORDERS[(attention, layout)]}"
     cp_size = int(getattr(storage_config, "attn_cp_size", 1) or 1)
     if cp_size > 1:
         name += f"|cp={int(storage_config.attn_cp_rank or 0)}/{cp_size}"
@@ -154,11 +159,12 @@ def cache_config_for(settings: BackendSettings, storage_config: Any, pool: Any) 
         "pp_rank": int(getattr(storage_config, "pp_rank", 0) or 0),
         "pp_size": pp_size,
         "first_layer": int(getattr(pool, "start_layer", 0) or 0),
-        # The user may state the model's total KV heads (replicated heads); SGLang's ranks are facts.
-        "total_kv_heads": user.parallel.total_kv_heads,
+        # total_kv_heads is the user's to state (replicated heads), from the YAML or the overrides.
     }
     page_size = int(pool.page_size)
-    probe = load_config(settings.config, overrides=_merge(_overrides(settings), {"model": model, "page_size": page_size}))
+    probe = load_config(
+        settings.config, overrides=_merge(_overrides(settings), {"model": model, "page_size": page_size, "parallel": parallel})
+    )
     derived = {
         "model": {**model, "revision": user.model.revision},
         "page_size": page_size,
