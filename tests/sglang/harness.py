@@ -32,7 +32,10 @@ class Shape:
     rope_dim: int = 16
 
 
-def pools(layout: str, shape: Shape = Shape()) -> tuple[Any, Any]:
+SMALL = Shape()
+
+
+def pools(layout: str, shape: Shape = SMALL) -> tuple[Any, Any]:
     """``(device_pool, host_pool)``: SGLang's own, on CPU, the host pool 2x the device pool."""
     end = shape.start_layer + shape.layers - 1
     if shape.mla:

@@ -14,7 +14,7 @@ import torch
 
 from hicache.keys import external_page_keys
 
-from .harness import LAYOUTS, MLA_LAYOUTS, Rig, Shape, fill, page_bytes, page_hashes, pools, tokens_for
+from .harness import LAYOUTS, MLA_LAYOUTS, SMALL, Rig, Shape, fill, page_bytes, page_hashes, pools, tokens_for
 
 pytestmark = pytest.mark.usefixtures("sglang_rank")
 
@@ -25,7 +25,7 @@ CASES = [("mha", layout) for layout in LAYOUTS] + [("mla", layout) for layout in
 def rigs() -> Iterator[Callable[..., Rig]]:
     made: list[Rig] = []
 
-    def make(layout: str, extra: dict[str, Any], *, mla: bool = False, shape: Shape = Shape()) -> Rig:
+    def make(layout: str, extra: dict[str, Any], *, mla: bool = False, shape: Shape = SMALL) -> Rig:
         device, host = pools(layout, Shape(**{**shape.__dict__, "mla": mla}))
         rig = Rig(device, host, extra)
         made.append(rig)

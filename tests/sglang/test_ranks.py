@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from .harness import Shape, backend, fill, page_bytes, page_hashes, pools, tokens_for
+from .harness import SMALL, Shape, backend, fill, page_bytes, page_hashes, pools, tokens_for
 
 pytestmark = pytest.mark.usefixtures("sglang_rank")
 
@@ -24,7 +24,7 @@ def ranks() -> Iterator[Callable[..., tuple[Any, Any]]]:
     """``make(layout, shape, extra, **rank)`` -> ``(backend, host_pool)``; all closed at the end."""
     made: list[Any] = []
 
-    def make(layout: str = "page_first", shape: Shape = Shape(), extra: dict | None = None, **rank: Any):
+    def make(layout: str = "page_first", shape: Shape = SMALL, extra: dict | None = None, **rank: Any):
         _, host = pools(layout, shape)
         b = backend(host, {"interface_v1": 1, **(extra or {})}, **rank)
         made.append(b)

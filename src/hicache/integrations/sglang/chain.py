@@ -70,7 +70,8 @@ class StorageChain:
         self.fetched_pages = self.stored_pages = self.present_pages = self.not_writer_pages = 0
         self.timeouts = self.failed_calls = 0
         self.bytes_moved = dict.fromkeys(TRANSFER_DIRECTIONS, 0)
-        self.latency = {verb: LatencyHistogram() for verb in ("lookup", "retrieve", "store")}
+        # Named as the cache's (``stats.LATENCIES``): a read from storage is a prefetch's wait.
+        self.latency = {name: LatencyHistogram() for name in ("lookup", "prefetch_wait", "store")}
         self.reads: deque[CallRecord] = deque(maxlen=_RECORDS)
         self.writes_done: deque[CallRecord] = deque(maxlen=_RECORDS)
         self._warn = RateLimited(log)
@@ -141,7 +142,7 @@ class StorageChain:
         elapsed = time.perf_counter() - start
         self.fetched_pages += done
         self.bytes_moved["storage_to_host"] += done * self.page_bytes
-        self.latency["retrieve"].observe(elapsed)
+        self.latency["prefetch_wait"].observe(elapsed)
         self.reads.append(CallRecord(done, elapsed, done * self.page_bytes))
         return done
 
