@@ -84,10 +84,8 @@ def backend(host: Any, extra: dict[str, Any], **config: Any) -> Any:
     """Our backend as SGLang's factory builds it (``dynamic``), registered with ``host``."""
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    mla = type(host).__name__.startswith("MLA")
-    made = StorageBackendFactory.create_backend(
-        "dynamic", storage_config(extra, mla=mla, layout=host.layout, **config), host
-    )
+    config.setdefault("mla", type(host).__name__.startswith("MLA"))
+    made = StorageBackendFactory.create_backend("dynamic", storage_config(extra, layout=host.layout, **config), host)
     made.register_mem_pool_host(host)
     return made
 

@@ -110,6 +110,9 @@ def test_what_cannot_be_cached_is_refused_when_the_pool_registers() -> None:
     _, host = pools("page_first", Shape(dtype=torch.float8_e4m3fn))
     with pytest.raises(UnsupportedModelError, match="dtype"):
         backend(host, {"storage": [{"kind": "memory"}]})
+    _, mha = pools("page_first")
+    with pytest.raises(UnsupportedModelError, match="MLA model"):  # SGLang says MLA, the pool is not
+        backend(mha, {"storage": [{"kind": "memory"}]}, mla=True)
 
 
 def test_sglangs_controller_loads_it_by_name(tmp_path: Path) -> None:

@@ -98,7 +98,9 @@ class HiCacheStorageBackend(HiCacheStorage):
         if self.settings.dump_config:
             self._dump_config(self.settings.dump_config)
         if self.settings.metrics_port is not None:
-            port = self.settings.metrics_port + (namespace.tp_rank if self.settings.metrics_port else 0)
+            # One port a rank of the machine: rank pp_rank * tp_size + tp_rank (0: any free port).
+            rank = namespace.pp_rank * namespace.tp_size + namespace.tp_rank
+            port = self.settings.metrics_port + rank if self.settings.metrics_port else 0
             self._metrics = MetricsEndpoint(self, self.settings.metrics_host, port)
         log.info(
             "hicache: SGLang storage over %s (%s, %s pages, TP %d/%d, PP %d/%d, %s)",
@@ -109,7 +111,7 @@ class HiCacheStorageBackend(HiCacheStorage):
 
     def _dump_config(self, path: str) -> None:
         assert self.config is not None and self.namespace is not None
-        target = path.format(tp_rank=self.namespace.tp_rank, pp_rank=self.namespace.pp_rank)
+        target = path.replace("{tp_rank}", str(self.namespace.tp_rank)).replace("{pp_rank}", str(self.namespace.pp_rank))
         with open(target, "w", encoding="utf-8") as f:
             f.write(self.config.to_yaml())
 

@@ -9,7 +9,7 @@
 * ``timeout_s``: the longest one SGLang call may wait for storage (default 30; a call that runs out
   is a miss, or an unwritten page);
 * ``metrics_port`` / ``metrics_host``: serve hicache's Prometheus metrics there (default: none;
-  host ``127.0.0.1``; rank ``r`` listens on ``metrics_port + r``);
+  host ``127.0.0.1``; a rank listens on ``metrics_port + pp_rank * tp_size + tp_rank``; 0: any free port);
 * ``dump_config``: a path to write the effective hicache config to (secrets masked), for
   ``hicache inspect`` (``{tp_rank}`` and ``{pp_rank}`` in it are filled in).
 
@@ -51,6 +51,8 @@ SGLANG_KEYS = frozenset(
     }
 )
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: The host pools whose pages the backend knows how to lay out (``host_pages.py``), exactly these classes.
+_POOLS = {"MHATokenToKVPoolHost": "mha", "MLATokenToKVPoolHost": "mla"}
 
 
 class BackendSettings(BaseModel):
@@ -115,6 +117,13 @@ def check_model_name(user: HiCacheConfig, storage_config: Any) -> str:
 def _model_section(storage_config: Any, pool: Any, user: HiCacheConfig) -> dict[str, Any]:
     mla = bool(getattr(storage_config, "is_mla_model", False))
     attention = "mla" if mla else "mha"
+    kind = type(pool).__name__
+    if _POOLS.get(kind) != attention:
+        raise UnsupportedModelError(
+            f"SGLang host pool {kind} ({'MLA' if mla else 'MHA'} model): hicache's backend serves "
+            f"{' and '.join(f'{k} ({a.upper()})' for k, a in _POOLS.items())}; hybrid, sparse and K-only pools "
+            "need SGLang's own backends"
+        )
     layout = getattr(pool, "layout", None)
     if (attention, layout) not in PAGE_ORDERS:
         raise UnsupportedModelError(f"SGLang host layout {layout!r} ({attention.upper()}) is not supported")
