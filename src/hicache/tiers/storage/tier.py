@@ -46,8 +46,9 @@ class PageSource(Protocol):
     """Memory a tier reads pages into and writes them from, other than its host pool."""
 
     def page_pieces(self) -> Any:
-        """Indexed by page: that page's payload as buffers (writable for ``fetch``), in canonical
-        order, their lengths adding up to the codec's payload bytes."""
+        """Indexed by page: that page's payload as buffers (writable for ``fetch``), in the byte
+        order its namespace stores (canonical for hicache's own pools), adding up to the codec's
+        payload bytes."""
         ...
 
 
