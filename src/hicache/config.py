@@ -52,8 +52,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ENV_PREFIX", "SECRET_MASK", "ByteSize", "CodecConfig", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
-    "IOConfig", "LoggingConfig", "ModelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
+    "ENV_PREFIX", "SECRET_MASK", "ByteSize", "CodecConfig", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig",
+    "HostTierConfig", "IOConfig", "LoggingConfig", "ModelConfig", "ParallelConfig", "PoliciesConfig",
+    "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
     "format_size", "load_config", "mask_url", "parse_size", "storage_entry",
 ]
 
@@ -460,6 +461,37 @@ class LoggingConfig(BaseModel):
     repeat_interval_s: float = Field(default=60.0, ge=0)
 
 
+class ParallelConfig(BaseModel):
+    """Which slice of the model this rank's pages hold, for tensor- and pipeline-parallel engines.
+
+    ``model.num_layers`` and ``model.num_kv_heads`` are what *this rank* holds (the geometry of its
+    pages). Under TP a rank of an MHA/GQA model holds a slice of the KV heads (several ranks hold the
+    same head when there are fewer KV heads than ranks); under PP a stage holds a range of layers;
+    an MLA latent is the same on every TP rank. The namespace records the slice (``keys.Namespace``),
+    so ranks never read each other's heads and a page is served only where the slice is the same.
+    The defaults are a single rank holding the whole model.
+    """
+
+    model_config = _FROZEN
+
+    tp_rank: _Int = Field(default=0, ge=0)
+    tp_size: _Int = Field(default=1, ge=1)
+    pp_rank: _Int = Field(default=0, ge=0)
+    pp_size: _Int = Field(default=1, ge=1)
+    #: The model layer this stage's first layer is (None: ``pp_rank * model.num_layers``, equal stages).
+    first_layer: _Int | None = Field(default=None, ge=0)
+    #: The model's KV heads over all TP ranks (None: ``model.num_kv_heads * tp_size``, no head replicated).
+    total_kv_heads: _Int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _ranks_in_range(self) -> ParallelConfig:
+        if self.tp_rank >= self.tp_size:
+            raise _field_error("tp_rank", f"must be below tp_size ({self.tp_size}), got {self.tp_rank}")
+        if self.pp_rank >= self.pp_size:
+            raise _field_error("pp_rank", f"must be below pp_size ({self.pp_size}), got {self.pp_rank}")
+        return self
+
+
 class HiCacheConfig(BaseModel):
     """The root configuration; ``HiCacheConfig()`` is the packaged default."""
 
@@ -476,6 +508,7 @@ class HiCacheConfig(BaseModel):
     io: IOConfig = Field(default_factory=IOConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @property
     def page_bytes(self) -> int:
@@ -546,6 +579,26 @@ class HiCacheConfig(BaseModel):
                 "tiers.host.capacity",
                 f"storage tiers are written and read through the host tier: give it at least one page "
                 f"({format_size(self.page_bytes)}), got {format_size(self.tiers.host.capacity)}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _heads_split_evenly(self) -> HiCacheConfig:
+        p, heads = self.parallel, self.model.num_kv_heads
+        if self.model.attention == "mla" or p.total_kv_heads is None:
+            return self  # MLA: every rank holds the one latent; None: heads x tp_size by definition
+        total, tp = p.total_kv_heads, p.tp_size
+        if total >= tp and (total % tp or heads != total // tp):
+            raise _field_error(
+                "parallel.total_kv_heads",
+                f"{total} KV heads over {tp} ranks is {total / tp:g} a rank, but model.num_kv_heads "
+                f"(the heads this rank holds) is {heads}",
+            )
+        if total < tp and (tp % total or heads != 1):
+            raise _field_error(
+                "parallel.total_kv_heads",
+                f"{total} KV heads over {tp} ranks: each rank holds one head replicated on {tp / total:g} "
+                f"ranks (tp_size must be a multiple of it), and model.num_kv_heads must be 1, got {heads}",
             )
         return self
 

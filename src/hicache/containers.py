@@ -76,12 +76,13 @@ def tier_page_codec(codec: PageCodec, entry: StorageTierConfig) -> PageCodec:
 
 
 def storage_tier_from_entry(
-    entry: StorageTierConfig, *, config: HiCacheConfig, codec: PageCodec, host: HostPool
+    entry: StorageTierConfig, *, config: HiCacheConfig, codec: PageCodec, host: HostPool | None
 ) -> StorageTier:
     """One ``StorageTier`` for a validated ``tiers.storage`` entry; its backend is built, not opened.
 
     Also what ``HiCache.attach_storage`` builds a tier with at runtime (bound to the cache's own
-    config, codec and host pool by the container).
+    config, codec and host pool by the container). ``host=None``: a tier whose every call names the
+    memory it reads and writes (an engine's own host pool, ``StorageTier``'s ``source``).
     """
     batch_pages = max(1, config.controller.storage_batch_bytes // config.page_bytes)
     return StorageTier(

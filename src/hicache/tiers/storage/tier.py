@@ -24,6 +24,10 @@ page the chain can make), with ``get(..., sizes=)`` since stored sizes vary, and
 checked, then decoded straight into its host page. Neither touches the device: host pages are
 encoded after the device-to-host copy and decoded before the host-to-device one.
 
+The pages need not live in hicache's own host pool: ``fetch`` and ``store`` take a ``source``, any
+object whose ``page_pieces()`` lends pages as byte pieces (an engine's own host pool, as the SGLang
+backend does, or a few loose page buffers); by default the tier's host pool.
+
 Detaching (``HiCache.detach_storage``): once ``detached`` is set, every operation is a miss or an
 unwritten page without calling the backend, and ``wait_idle()`` returns when the calls already in
 flight have ended, so the backend can be closed under nobody.
@@ -36,7 +40,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import numpy as np
@@ -53,9 +57,19 @@ T = TypeVar("T")
 #: Threads that encode and check one batch's pages at once (per tier; at least 1).
 DEFAULT_CODEC_THREADS = max(1, min(8, os.cpu_count() or 1))
 
-__all__ = ["StorageTier"]
+__all__ = ["PageSource", "StorageTier"]
 
 log = logging.getLogger(__name__)
+
+
+class PageSource(Protocol):
+    """Memory a tier reads pages into and writes them from, other than its host pool."""
+
+    def page_pieces(self) -> Any:
+        """Indexed by page: that page's payload as buffers (writable for ``fetch``), in the byte
+        order its namespace stores (canonical for hicache's own pools), adding up to the codec's
+        payload bytes."""
+        ...
 
 
 class StorageTier:
@@ -64,7 +78,7 @@ class StorageTier:
         name: str,
         backend: StorageBackend,
         codec: PageCodec,
-        host: HostPool,
+        host: HostPool | None,
         *,
         batch_pages: int,
         codec_threads: int = DEFAULT_CODEC_THREADS,
@@ -141,6 +155,7 @@ class StorageTier:
     def _host_pieces(self) -> np.ndarray:
         """The host pool as bytes: ``[pages, 1, page_bytes]`` or ``[pages, C * L, chunk_bytes]``."""
         if self._pieces is None:
+            assert self.host is not None, "a tier without a host pool is given a source on every call"
             g = self.codec.geometry
             raw = self.host.buffer.view(torch.uint8).numpy()  # no copy; the pool outlives the tier's use
             if self.host.layout == "page_first":
@@ -150,10 +165,10 @@ class StorageTier:
                 self._pieces = chunks.transpose(1, 0, 2)  # a view: page-major order of the pieces
         return self._pieces
 
-    def _page_ios(self, host_pages: Sequence[int]) -> list[PageIO]:
+    def _page_ios(self, host_pages: Sequence[int], source: PageSource | None = None) -> list[PageIO]:
         """Header buffers, and each host page's own memory as its payload pieces."""
         headers = np.zeros((len(host_pages), HEADER_BYTES), dtype=np.uint8)
-        pieces = self._host_pieces()
+        pieces = self._host_pieces() if source is None else source.page_pieces()
         return [
             PageIO(memoryview(headers[i]), tuple(memoryview(piece) for piece in pieces[p]))
             for i, p in enumerate(host_pages)
@@ -197,8 +212,10 @@ class StorageTier:
             self._pool = ThreadPoolExecutor(self.codec_threads, thread_name_prefix=f"hicache-codec-{self.name}")
         return self._pool.map(fn, range(n))
 
-    def _encode(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> tuple[list[PageIO], dict[str, Any]]:
-        ios = self._page_ios(host_pages)
+    def _encode(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], source: PageSource | None = None
+    ) -> tuple[list[PageIO], dict[str, Any]]:
+        ios = self._page_ios(host_pages, source)
         if not self.codec.encoded:
 
             def mac(i: int) -> None:
@@ -221,7 +238,12 @@ class StorageTier:
         }
 
     def _verify(
-        self, keys: Sequence[bytes], ios: Sequence[PageIO], sizes: Sequence[int], host_pages: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        ios: Sequence[PageIO],
+        sizes: Sequence[int],
+        host_pages: Sequence[int],
+        source: PageSource | None = None,
     ) -> tuple[int, str | None, dict[str, Any]]:
         """Check pages in order (through a codec chain: check, then decode into ``host_pages``):
         ``(how many are good, why the next one is not, codec counts)``."""
@@ -234,7 +256,7 @@ class StorageTier:
                 if reason is not None:
                     return i, reason, {}
             return len(keys), None, {}
-        pieces = self._host_pieces()
+        pieces = self._host_pieces() if source is None else source.page_pieces()
 
         def decode(i: int) -> tuple[str | None, float]:
             t0 = time.perf_counter()
@@ -283,8 +305,11 @@ class StorageTier:
         keys: Sequence[bytes],
         host_pages: Sequence[int],
         on_batch: Callable[[int, int], bool] | None = None,
+        *,
+        source: PageSource | None = None,
     ) -> int:
-        """Read pages ``keys`` into ``host_pages`` (allocated, not yet published); verified count.
+        """Read pages ``keys`` into ``host_pages`` (allocated, not yet published) of the host pool
+        (or of ``source``); verified count.
 
         Batches are pipelined: the next batch is read while this one is verified. After each
         batch, ``on_batch(first, good)`` may publish its ``good`` verified pages (indices
@@ -296,12 +321,16 @@ class StorageTier:
         if not self._enter():
             return 0
         try:
-            return await self._fetch(keys, host_pages, on_batch)
+            return await self._fetch(keys, host_pages, on_batch, source)
         finally:
             self._exit()
 
     async def _fetch(
-        self, keys: Sequence[bytes], host_pages: Sequence[int], on_batch: Callable[[int, int], bool] | None
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[int],
+        on_batch: Callable[[int, int], bool] | None,
+        source: PageSource | None = None,
     ) -> int:
         keys = self.codec.storage_keys(keys)
         starts = range(0, len(keys), self.batch_pages)
@@ -322,7 +351,7 @@ class StorageTier:
                         ios = self._staging_ios(arena, len(k))
                         sizes = [0] * len(k)
                     else:
-                        ios = self._page_ios(host_pages[first : first + self.batch_pages])
+                        ios = self._page_ios(host_pages[first : first + self.batch_pages], source)
                     try:
                         n = await self.backend.get(k, ios, sizes=sizes) if coded else await self.backend.get(k, ios)
                         self._succeeded()
@@ -349,7 +378,7 @@ class StorageTier:
                     async for first, ios, n, sizes, _arena in receive:
                         k = keys[first : first + len(ios)]
                         good, reason, counts = await anyio.to_thread.run_sync(
-                            self._verify, k[:n], ios[:n], sizes[:n], host_pages[first : first + n]
+                            self._verify, k[:n], ios[:n], sizes[:n], host_pages[first : first + n], source
                         )
                         self._count(counts)
                         total += good
@@ -379,8 +408,11 @@ class StorageTier:
         except StorageError as exc:
             self._failed(exc)
 
-    async def store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
-        """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored.
+    async def store(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], *, source: PageSource | None = None
+    ) -> int:
+        """Write ``host_pages`` (pinned by the caller) of the host pool (or of ``source``) under
+        ``keys``; consecutive pages stored.
 
         Headers (checksums or MACs) of the next batch are encoded in a worker thread while this
         batch is written, so a MAC's CPU time hides behind the backend's I/O.
@@ -389,11 +421,13 @@ class StorageTier:
         if not self._enter():
             return 0
         try:
-            return await self._store(keys, host_pages)
+            return await self._store(keys, host_pages, source)
         finally:
             self._exit()
 
-    async def _store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+    async def _store(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], source: PageSource | None = None
+    ) -> int:
         keys = self.codec.storage_keys(keys)
         step = self.batch_pages
         starts = range(0, len(keys), step)
@@ -402,7 +436,7 @@ class StorageTier:
 
         async def encode(start: int) -> None:
             encoded[start], counts = await anyio.to_thread.run_sync(
-                self._encode, keys[start : start + step], host_pages[start : start + step]
+                self._encode, keys[start : start + step], host_pages[start : start + step], source
             )
             self._count(counts)
 
