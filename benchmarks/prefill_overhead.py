@@ -2,12 +2,14 @@
 
 Usage::
 
-    python benchmarks/prefill_overhead.py [--model smollm2] [--lengths 128,512,...] [--repeats 3] [--cached 0.75]
+    python benchmarks/prefill_overhead.py            # SmolLM2, 128 to 4,096 tokens, 3 rounds: a few minutes
+    python benchmarks/prefill_overhead.py --lengths 128,512,1024,2048,4096,8192   # 8,192 adds minutes
+    python benchmarks/prefill_overhead.py --help     # --repeats, --cached 0.75, --model, --json, ...
 
 For each length, random token ids, one request, two cases:
 
-* ``cold``: nothing cached. ``own``: the model's forward over the prompt (its own attention, a
-  fresh ``DynamicCache``); ``hicache``: ``CachedCausalLM`` over a cache that holds nothing of it.
+* ``cold``: nothing cached. ``own``: the model's forward over the prompt (its own attention, the
+  ``DynamicCache`` it makes itself); ``hicache``: ``CachedCausalLM`` over a cache that holds nothing of it.
 * ``cached``: the first ``--cached`` of the prompt (page-aligned) is cached. ``own``: the model's
   forward over the rest on top of a ``DynamicCache`` already holding the prefix's KV (put there
   outside the timing, as the oracle configuration of ``hicache bench`` does); ``hicache``: the
@@ -15,9 +17,10 @@ For each length, random token ids, one request, two cases:
 
 Both ask for the last position's logits only (``logits_to_keep=1``, what ``CachedCausalLM``
 does). ``hicache``'s time is the request's, from ``lookup`` to the first token (``sequence``'s
-lease and the prefill, its thread hop and restore included; no store). The two alternate
-(own, hicache, then hicache, own, ...) ``--repeats`` times after a warm-up of each, and the
-table gives the medians, their ratio (wall time, and the process's CPU time, which the other
+lease and the prefill, its thread hop and restore included; no store), after one untimed request
+of that length (its model cache's buffer is then reused, as between a server's requests). The two
+alternate (own, hicache, then hicache, own, ...) ``--repeats`` rounds; the table gives the medians
+of both, the median of the rounds' ratios (wall time, and the process's CPU time, which the other
 users of a shared machine disturb less), and whether both chose the same first token (and the
 largest logit difference). ``/proc/pressure/cpu`` is printed before and after: on a shared
 machine read the ratios, which both sides' interleaving keeps fair, rather than the times.
@@ -30,6 +33,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -87,11 +91,10 @@ class Case:
     def own(self) -> tuple[tuple[float, float], torch.Tensor]:
         """The model's own forward over the uncached part, on its own cache holding the prefix."""
         lm = self.lm
-        kv = self.kv if self.kv is not None else self._own_cache()
+        kv = {lm._cache_kw: self.kv} if self.kv is not None else {}  # cold: the model makes its own cache
         started, cpu = time.perf_counter(), time.process_time()
         with torch.inference_mode():
-            out = lm.model(input_ids=self.ids[:, self.prefix:], **{lm._cache_kw: kv}, use_cache=True,
-                           logits_to_keep=1)
+            out = lm.model(input_ids=self.ids[:, self.prefix:], **kv, use_cache=True, logits_to_keep=1)
         took = time.perf_counter() - started, time.process_time() - cpu
         if self.kv is not None:
             self.kv.crop(self.prefix - len(self.tokens))  # back to the prefix alone for the next repeat
@@ -111,25 +114,29 @@ class Case:
         return took, seq.logits
 
 
-async def measure(case: Case, repeats: int) -> dict[str, Any]:
+async def measure(case: Case, repeats: int, *, warm_own: bool) -> dict[str, Any]:
+    """Medians over ``repeats`` rounds, each running both sides back to back (the order alternating),
+    and the median of the rounds' ratios: a slow stretch of the machine weighs on both sides of it."""
+    if warm_own:
+        case.own()  # the first forward of the process (kernels, allocator)
+    await case.hicache()  # the model cache's buffer for this length (reused between requests after)
     own_t: list[tuple[float, float]] = []  # (wall, CPU) seconds
     ours_t: list[tuple[float, float]] = []
     own_logits = ours_logits = None
-    for r in range(repeats + 1):  # the first round warms both up (buffers, kernels) and is not kept
+    for r in range(repeats):
         for side in (("own", "hicache") if r % 2 == 0 else ("hicache", "own")):
             if side == "own":
                 took, own_logits = case.own()
-                if r:
-                    own_t.append(took)
+                own_t.append(took)
             else:
                 took, ours_logits = await case.hicache()
-                if r:
-                    ours_t.append(took)
+                ours_t.append(took)
     assert own_logits is not None and ours_logits is not None
-    own_ms, ours_ms = (statistics.median(t for t, _ in x) * 1e3 for x in (own_t, ours_t))
-    own_cpu, ours_cpu = (statistics.median(c for _, c in x) * 1e3 for x in (own_t, ours_t))
-    return {"own_ms": own_ms, "hicache_ms": ours_ms, "ratio": ours_ms / own_ms,
-            "own_cpu_ms": own_cpu, "hicache_cpu_ms": ours_cpu, "cpu_ratio": ours_cpu / own_cpu,
+    med = statistics.median
+    return {"own_ms": med(w for w, _ in own_t) * 1e3, "hicache_ms": med(w for w, _ in ours_t) * 1e3,
+            "ratio": med(o[0] / w[0] for o, w in zip(ours_t, own_t)),
+            "own_cpu_ms": med(c for _, c in own_t) * 1e3, "hicache_cpu_ms": med(c for _, c in ours_t) * 1e3,
+            "cpu_ratio": med(o[1] / w[1] for o, w in zip(ours_t, own_t)),
             "same_token": int(own_logits.argmax()) == int(ours_logits.argmax()),
             "max_logit_diff": float((own_logits - ours_logits).abs().max())}
 
@@ -146,12 +153,14 @@ async def main_async(args: argparse.Namespace) -> int:
     vocab = model.config.vocab_size
     prefixes = {n: int(n * args.cached) // PAGE * PAGE for n in lengths}
     print(f"{args.model}: {spec.num_layers} layers, {spec.num_kv_heads} KV heads, head_dim {spec.head_dim}, "
-          f"{spec.dtype}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"median of {args.repeats}, interleaved")
+          f"{spec.dtype}; own attention {model.config._attn_implementation!r}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; median of {args.repeats} rounds, interleaved")
+    before = cpu_pressure()
     print(f"CPU pressure before (/proc/pressure/cpu some): {_pressure()}")
     print(f"{'tokens':>6} {'case':<12} {'own ms':>9} {'hicache ms':>10} {'ratio':>6} {'CPU ratio':>9} "
           f"{'same token':>10} {'logit diff':>10}")
-    worst = 0.0
+    rows: list[dict[str, Any]] = []
+    first = True
     gen = torch.Generator().manual_seed(args.seed)
     async with HiCache.from_config(cache_config(model, max(prefixes.values()))) as cache:
         lm = CachedCausalLM(model, cache, segment_attention=args.segment_attention)
@@ -165,12 +174,20 @@ async def main_async(args: argparse.Namespace) -> int:
                 await cache.wait_idle()
                 cases.append((f"cached {prefixes[n]}", Case(lm, tokens, prefixes[n])))
             for name, case in cases:
-                row = await measure(case, args.repeats)
-                worst = max(worst, row["ratio"])
+                row = await measure(case, args.repeats, warm_own=first)
+                first = False
+                rows.append({"tokens": n, "cached_tokens": case.prefix} | row)
+                same = "yes" if row["same_token"] else "NO"
                 print(f"{n:>6} {name:<12} {row['own_ms']:>9,.1f} {row['hicache_ms']:>10,.1f} {row['ratio']:>6.3f} "
-                      f"{row['cpu_ratio']:>9.3f} {'yes' if row['same_token'] else 'NO':>10} {row['max_logit_diff']:>10.1e}", flush=True)
+                      f"{row['cpu_ratio']:>9.3f} {same:>10} {row['max_logit_diff']:>10.1e}", flush=True)
+    after = cpu_pressure()
     print(f"CPU pressure after: {_pressure()}")
-    print(f"worst ratio {worst:.3f} (target <= 1.02)")
+    print(f"worst ratio: wall {max(r['ratio'] for r in rows):.3f}, CPU {max(r['cpu_ratio'] for r in rows):.3f} "
+          f"(target <= 1.02)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "repeats": args.repeats, "threads": args.threads,
+                                               "cpu_pressure": {"before": before, "after": after}, "rows": rows},
+                                              indent=1))
     return 0
 
 
@@ -183,6 +200,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--segment-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="CachedCausalLM's segment attention (default: where it runs, the CPU)")
+    p.add_argument("--json", help="also write the rows and the CPU pressure to this file")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = p.parse_args()
     torch.set_num_threads(args.threads)

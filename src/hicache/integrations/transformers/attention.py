@@ -9,13 +9,16 @@ A prefill step attends in two parts, merged exactly (the rescaling of flash-deco
 ``out = sum_i exp(lse_i - lse) out_i``): the keys every query sees whole (the prefix, and own
 tokens computed before this step), without a mask, and this step's own tokens with torch's
 *causal* flash kernel, which skips the blocks above the diagonal instead of masking them. With no
-prefix (a cold prefill) that one causal call is all, the very call the model's own SDPA attention
-makes. Both share K and V heads natively (grouped-query attention without ``repeat_kv`` copies).
-An explicit mask over the stacked query heads, as earlier versions did, computes every block and
-cost a cold prefill 1.1-1.6x the model's own forward at 1-6K tokens (``benchmarks/prefill_overhead.py``).
+prefix (a cold prefill) that one causal call is all: the very call the model's own SDPA attention
+makes. Every call shares K and V heads natively (grouped-query attention, no ``repeat_kv`` copies).
+A step of fewer than ``SPLIT_MIN_QUERIES`` tokens over a buffer holding more (a short turn after
+a prefix copied in) takes one call with a mask instead: its triangle is too small to pay for a
+second call and a merge. Earlier versions stacked the query heads of a KV head and so needed a mask
+for every prefill; computing every block, a cold prefill cost 1.1-1.6x the model's own forward
+at 1-6K tokens (``benchmarks/prefill_overhead.py`` compares the two).
 
 A decode step's single query sees every piece whole: the query heads sharing a KV head are stacked
-(``[B, Hkv, g, D]``), so each KV head is read once (what transformers' SDPA does too).
+(``[B, Hkv, g, D]``), so each KV head is read once (as transformers 5's SDPA does).
 
 Registered with transformers as ``"hicache_segments"``; ``CachedCausalLM`` switches the model to it
 for its own forwards only (and back). The model builds no mask for it (transformers skips mask
@@ -153,12 +156,12 @@ def _prefill(query: torch.Tensor, key: Segments, scaling: float | None) -> torch
 
 
 def _causal_mask(queries: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive ``[queries, length]``: query ``j`` sees keys up to ``length - queries + j`` (one per
-    forward: its layers share it)."""
+    """Additive ``[queries, length]``: query ``j`` sees keys up to ``length - queries + j``. Made
+    once per forward (its layers share it); the last few are kept (each under 4 MB at 8K keys)."""
     key = (queries, length, dtype, device)
     mask = _masks.get(key)
     if mask is None:
-        if len(_masks) > 16:
+        if len(_masks) >= 4:
             _masks.clear()
         mask = _masks[key] = torch.full((queries, length), float("-inf"), dtype=dtype, device=device).triu(
             length - queries + 1
