@@ -5,6 +5,12 @@ synchronous hooks call into it through the portal. Everything a step holds (the 
 loads from, the reservations it saves into) lives in one ``AsyncExitStack`` per step, closed when
 the step ends, whatever happened: nothing outlives its step. Prefetches started by the
 scheduler's lookups are held per request and cancelled when the request finishes or is aborted.
+
+It also prepares the metrics: every ``stats_interval_s`` a snapshot of hicache's and the
+connector's metric families for vLLM's connector stats (``export.py``), and, with a
+``metrics_port``, hicache's own ``/metrics`` server on this loop. When it closes, the cache drains
+what its write policy owes storage (bounded by ``controller.shutdown_timeout_s``) and the service
+logs what was written and what was not, with counts.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import json
 import logging
 import math
 import os
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -30,7 +38,10 @@ from ...config import HiCacheConfig
 from ...controller.prefetch import Prefetch
 from ...errors import HiCacheError
 from ...leases import RetrieveView, SlotReservation
+from . import export
 from .channel import MAX_FRAME, encode
+from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds
+from .settings import ConnectorOptions
 
 if TYPE_CHECKING:
     from .metadata import LoadSpec, SaveSpec
@@ -58,6 +69,8 @@ class ConnectorCounters:
     save_skipped_pages: int = 0
     prefetches_held: int = 0
     prefetches_cancelled: int = 0
+    drained_pages: int = 0  # written to storage while the cache closed
+    undrained_pages: int = 0  # promised to storage, not written when it closed (logged with the count)
 
 
 @dataclasses.dataclass
@@ -72,17 +85,24 @@ class StepLeases:
 class CacheService(anyio.AsyncContextManagerMixin):
     """Owns the cache and the channel server for one vLLM worker."""
 
-    def __init__(self, config: HiCacheConfig, socket_path: str) -> None:
+    def __init__(self, config: HiCacheConfig, socket_path: str, options: ConnectorOptions | None = None) -> None:
         self.config = config
         self.socket_path = socket_path
+        self.options = options or ConnectorOptions()
         self.cache: HiCache | None = None
         self.counters = ConnectorCounters()
         self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._held: dict[str, Prefetch] = {}
         self.open_steps = 0
+        self.worker_profile = HookProfile(WORKER_HOOKS)  # timed by WorkerSide in vLLM's thread
+        self.scheduler_profile: dict[str, list[float]] = {}  # the scheduler's, sent with its messages
+        self.payload: tuple[int, list[list[Any]]] | None = None  # (sequence, families) for vLLM's stats
+        self.metrics_url: str | None = None
+        self._loop_thread: int | None = None
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[CacheService]:
+        self._loop_thread = threading.get_ident()
         async with HiCache.from_config(self.config) as cache:
             self.cache = cache
             try:
@@ -92,12 +112,17 @@ class CacheService(anyio.AsyncContextManagerMixin):
             listener = await anyio.create_unix_listener(self.socket_path)
             try:
                 os.chmod(self.socket_path, 0o600)
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(listener.serve, self._serve)
-                    try:
-                        yield self
-                    finally:
-                        tg.cancel_scope.cancel()
+                async with AsyncExitStack() as stack:
+                    if self.options.metrics_port is not None:
+                        await self._serve_metrics(stack)
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(listener.serve, self._serve)
+                        if self.options.stats_interval_s > 0:
+                            tg.start_soon(self._prepare_payloads, self.options.stats_interval_s)
+                        try:
+                            yield self
+                        finally:
+                            tg.cancel_scope.cancel()
             finally:
                 for op in self._held.values():
                     op.cancel()
@@ -107,7 +132,86 @@ class CacheService(anyio.AsyncContextManagerMixin):
                     os.unlink(self.socket_path)
                 except FileNotFoundError:
                     pass
-                self.cache = None
+                before = self._drain_state(cache)
+                started = time.monotonic()
+        self.cache = None
+        self._log_drain(cache, before, time.monotonic() - started)
+
+    # -- shutdown accounting --------------------------------------------------------------------
+
+    def _drain_state(self, cache: HiCache) -> dict[str, int]:
+        """The storage queue as the cache starts to close, and the counts of pages written and lost so far."""
+        try:
+            s = cache.stats()
+        except Exception as exc:  # noqa: BLE001 - accounting must not stop the close
+            log.warning("hicache: drain figures unavailable: %r", exc)
+            return {}
+        return {
+            "queued": sum(s.queue_depths.values()),
+            "in_flight": s.in_flight,
+            "tiers": len(s.storage),
+            "stored": s.storage_backups,
+            "lost": s.lost_pages,
+        }
+
+    def _log_drain(self, cache: HiCache, before: dict[str, int], seconds: float) -> None:
+        """After the cache closed: how many pages its drain wrote to storage, how many it could not."""
+        if not before.get("tiers"):
+            return  # no storage tier: nothing is owed below memory
+        after = self._drain_state(cache)
+        if not after:
+            return
+        written, lost = after["stored"] - before["stored"], after["lost"] - before["lost"]
+        self.counters.drained_pages, self.counters.undrained_pages = written, lost
+        line = (
+            "hicache: closed in %.1f s: %d pages written to storage while draining (%d jobs were queued, %d in "
+            "flight), %d pages the %s policy promised to storage not written"
+        )
+        args = (seconds, written, before["queued"], before["in_flight"], lost, cache.config.policies.write)
+        (log.warning if lost else log.info)(line, *args)
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    @property
+    def held_prefetches(self) -> int:
+        return len(self._held)
+
+    def loop_cpu_seconds(self) -> float | None:
+        """CPU seconds of the cache's event-loop thread (channel, commits, background work it runs)."""
+        return thread_cpu_seconds(self._loop_thread)
+
+    def profiles(self) -> dict[str, dict[str, list[float]]]:
+        return {"scheduler": dict(self.scheduler_profile), "worker": self.worker_profile.snapshot()}
+
+    def export(self) -> list[list[Any]]:
+        """hicache's and the connector's metric families, as plain data (``export.encode``)."""
+        from ...metrics import HiCacheCollector
+
+        return export.encode([*HiCacheCollector(self._cache).collect(), *export.connector_families(self)])
+
+    async def _prepare_payloads(self, interval_s: float) -> None:
+        """Every ``interval_s``: a fresh export for vLLM's connector stats, which ``get_kv_connector_stats``
+        picks up without waiting (vLLM asks every step, on its own thread)."""
+        seq = 0
+        while True:
+            seq += 1
+            self.payload = (seq, self.export())
+            await anyio.sleep(interval_s)
+
+    async def _serve_metrics(self, stack: AsyncExitStack) -> None:
+        """hicache's ``/metrics`` (and ``/healthz``) on this loop, with the connector's families."""
+        from prometheus_client import CollectorRegistry
+
+        from ...metrics import HiCacheCollector, serve
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(HiCacheCollector(self._cache))
+        registry.register(_ConnectorCollector(self))
+        server = await stack.enter_async_context(
+            serve(self._cache, port=self.options.metrics_port or 0, host=self.options.metrics_host, registry=registry)
+        )
+        self.metrics_url = f"{server.url}/metrics"
+        log.info("hicache: metrics on %s", self.metrics_url)
 
     @property
     def _cache(self) -> HiCache:
@@ -145,6 +249,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
             return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
         if op == "forget":
             self.forget(str(message["req"]))
+            self._take_profile(message.get("profile"))
             return {}
         if op == "stats":
             return self.stats()
@@ -171,6 +276,13 @@ class CacheService(anyio.AsyncContextManagerMixin):
             self._held[req_id] = hit.prefetch
             self.counters.prefetches_held += 1
         return {"tokens": hit.tokens, "by_tier": dict(hit.by_tier)}
+
+    def _take_profile(self, profile: Any) -> None:
+        """The scheduler's hook profile (cumulative), sent with its forget messages."""
+        if isinstance(profile, dict):
+            self.scheduler_profile = {
+                str(k): [float(v[0]), float(v[1])] for k, v in profile.items() if isinstance(v, list) and len(v) == 2
+            }
 
     def forget(self, req_id: str) -> None:
         """The request finished or was aborted: end its prefetch unless another request shares it."""
@@ -279,6 +391,9 @@ class CacheService(anyio.AsyncContextManagerMixin):
         cache = self._cache
         return {
             "connector": _jsonable(self.counters),
+            "profile": self.profiles(),
+            "loop_cpu_s": self.loop_cpu_seconds(),
+            "metrics_url": self.metrics_url,
             "cache": _jsonable(cache.stats()),
             "held_prefetches": len(self._held),
             "open_steps": self.open_steps,
@@ -287,6 +402,19 @@ class CacheService(anyio.AsyncContextManagerMixin):
             "namespace": {"model": self.config.model.name, "revision": self.config.model.revision},
             "page_size": cache.page_size,
         }
+
+
+class _ConnectorCollector:
+    """The connector's families for the worker's own ``/metrics`` (``metrics_port``)."""
+
+    def __init__(self, service: CacheService) -> None:
+        self.service = service
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> list[Any]:
+        return export.connector_families(self.service)
 
 
 def _jsonable(value: Any) -> Any:
