@@ -22,6 +22,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ...config import HiCacheConfig
 from ...errors import HiCacheError
+from .cpus import reserved_cpus, use_cpus
 from .layout import BlockLayout, PageMap
 from .metadata import HiCacheMetadata, LoadSpec
 from .service import CacheService, StepLeases
@@ -79,6 +80,11 @@ class WorkerSide:
             self.layers[name] = (extract_layer_index(name), kv)
         try:
             self.portal = self._exit.enter_context(start_blocking_portal())
+            cpus = reserved_cpus()
+            if cpus is not None:  # before the cache starts: its I/O threads inherit the loop thread's CPUs
+                self.portal.call(use_cpus, cpus[1])
+                log.info("hicache: the cache's threads run on CPUs %s (vLLM's reserved cores; its OpenMP threads "
+                         "are bound to %s)", sorted(cpus[1]), sorted(cpus[0]))
             self.service = self._exit.enter_context(
                 self.portal.wrap_async_context_manager(CacheService(self.config, self.socket_path, self.options))
             )
