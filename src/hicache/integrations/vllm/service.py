@@ -51,6 +51,7 @@ __all__ = ["CacheService", "StepLeases", "ConnectorCounters"]
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 _RECORDS = 100_000  # per-request load records kept for tools (oldest dropped)
+_SETTLE_TIMEOUT_S = 30.0  # how long closing (or a stats call) waits for the steps vLLM ended to finish
 
 
 @dataclasses.dataclass
@@ -99,6 +100,11 @@ class CacheService(anyio.AsyncContextManagerMixin):
         self.payload: tuple[int, list[list[Any]]] | None = None  # (sequence, families) for vLLM's stats
         self.metrics_url: str | None = None
         self._loop_thread: int | None = None
+        # Steps ended by vLLM's thread and finished here in order (finish_step): scheduled counts
+        # are written by that thread only, finished ones by this loop only.
+        self.finishes_scheduled = 0
+        self.finishes_done = 0
+        self._finish_lock = anyio.Lock()  # FIFO: a request's later pages commit after its earlier ones
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[CacheService]:
@@ -113,6 +119,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
             try:
                 os.chmod(self.socket_path, 0o600)
                 async with AsyncExitStack() as stack:
+                    stack.push_async_callback(self._settle_steps, _SETTLE_TIMEOUT_S)
                     if self.options.metrics_port is not None:
                         await self._serve_metrics(stack)
                     async with anyio.create_task_group() as tg:
@@ -246,16 +253,18 @@ class CacheService(anyio.AsyncContextManagerMixin):
             raise TypeError("a message is a JSON object")
         op = message.get("op")
         if op == "lookup":
+            self._take_profile(message.get("profile"))
             return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
         if op == "forget":
             self.forget(str(message["req"]))
             self._take_profile(message.get("profile"))
             return {}
         if op == "stats":
+            await self._settle_steps(_SETTLE_TIMEOUT_S)  # the steps vLLM has ended are counted
             return self.stats()
         if op == "wait_idle":
             with anyio.fail_after(float(message.get("timeout_s", 60))):
-                await self._cache.wait_idle()
+                await self.settle()
             return {}
         return {"error": f"unknown op {op!r}"}
 
@@ -275,7 +284,8 @@ class CacheService(anyio.AsyncContextManagerMixin):
                 self._release(old)
             self._held[req_id] = hit.prefetch
             self.counters.prefetches_held += 1
-        return {"tokens": hit.tokens, "by_tier": dict(hit.by_tier)}
+        # held: the request has a prefetch to end when it finishes (else the scheduler need not say)
+        return {"tokens": hit.tokens, "by_tier": dict(hit.by_tier), "held": req_id in self._held}
 
     def _take_profile(self, profile: Any) -> None:
         """The scheduler's hook profile (cumulative), sent with its forget messages."""
@@ -355,6 +365,39 @@ class CacheService(anyio.AsyncContextManagerMixin):
                 continue
             self.counters.saves += 1
             self.counters.saved_tokens += added
+
+    async def finish_step(
+        self, step: StepLeases, saves: list[SaveSpec] | None, skip: set[str],
+        records: list[tuple[str, int, dict[str, int], int]],
+    ) -> None:
+        """End a step off vLLM's thread: commit its saved pages, release its leases, count its loads.
+
+        vLLM's thread schedules this and returns (the pages are already copied into the reserved
+        device pages); steps finish one at a time in the order they ended, so a request's pages of
+        one step are in the index before those of its next step are committed under them.
+        """
+        try:
+            async with self._finish_lock:
+                try:
+                    if saves is not None:
+                        await self.commit(step, saves, skip)
+                finally:
+                    await self.close_step(step)
+                if records:
+                    self.record_loads(records)
+        finally:
+            self.finishes_done += 1
+
+    async def _settle_steps(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every step vLLM ended has finished."""
+        with anyio.move_on_after(timeout_s):
+            while self.finishes_done < self.finishes_scheduled:
+                await anyio.sleep(0.002)
+
+    async def settle(self) -> None:
+        """Every ended step finished and every background job of the cache done (for tools and tests)."""
+        await self._settle_steps(_SETTLE_TIMEOUT_S)
+        await self._cache.wait_idle()
 
     async def close_step(self, step: StepLeases) -> None:
         try:

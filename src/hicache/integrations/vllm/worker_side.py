@@ -3,8 +3,9 @@
 Per step (vLLM calls these in order): ``bind`` leases what the step needs (retrieve views for the
 loads, fresh device pages for the saves); before each layer's attention, ``before_layer`` waits
 for that layer of the views and copies it into vLLM's blocks; after it, ``after_layer`` copies the
-layer's new pages out into the reserved pages; ``end_step`` commits the saved pages (hicache then
-backs them up to the host tier and storage in the background) and releases every lease. A load
+layer's new pages out into the reserved pages; ``end_step`` hands the step to the cache's loop,
+which commits the saved pages (hicache then backs them up to the host tier and storage in the
+background) and releases every lease, steps in order, while vLLM goes on with the next step. A load
 that comes up short is reported as failed blocks, which vLLM recomputes
 (``kv_load_failure_policy="recompute"``); a request whose load failed saves nothing that step.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +68,7 @@ class WorkerSide:
         self._step: _Step | None = None
         self._errors: set[int] = set()
         self._exported = 0  # sequence number of the last export handed to vLLM
+        self._finishing: list[Future[None]] = []  # steps handed to the loop (finish_step), not yet done
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -237,11 +240,6 @@ class WorkerSide:
 
     def _end_step(self, step: _Step) -> None:
         service = self._service
-        try:
-            if step.save_map is not None:
-                self._portal.call(service.commit, step.leases, step.meta.saves, step.failed_reqs)
-        finally:
-            self._portal.call(service.close_step, step.leases)
         ps = self.layout.page_size
         loaded = {spec.req_id: (spec, m, v) for spec, m, v in step.loads}
         records = []
@@ -253,9 +251,23 @@ class WorkerSide:
             records.append((spec.req_id, tokens, by_tier, failed))
             if tokens:
                 log.info("hicache: loaded %d tokens for %s %s", tokens, spec.req_id, by_tier)
-        if records:
-            self._portal.call(service.record_loads, records)  # on the loop thread, like every other change
         self._errors |= step.failed_blocks
+        saves = step.meta.saves if step.save_map is not None else None
+        service.finishes_scheduled += 1  # this thread only; the loop counts them done
+        self._finishing.append(
+            self._portal.start_task_soon(service.finish_step, step.leases, saves, step.failed_reqs, records)
+        )
+        self._reap()
+
+    def _reap(self) -> None:
+        """Drop the finished step futures; a step that failed to finish is logged, never silent."""
+        pending = []
+        for future in self._finishing:
+            if not future.done():
+                pending.append(future)
+            elif not future.cancelled() and future.exception() is not None:
+                log.error("hicache: a step failed to finish: %r", future.exception())
+        self._finishing = pending
 
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
