@@ -15,11 +15,13 @@ logs what was written and what was not, with counts.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import math
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -100,15 +102,18 @@ class CacheService(anyio.AsyncContextManagerMixin):
         self.payload: tuple[int, list[list[Any]]] | None = None  # (sequence, families) for vLLM's stats
         self.metrics_url: str | None = None
         self._loop_thread: int | None = None
-        # Steps ended by vLLM's thread and finished here in order (finish_step): scheduled counts
-        # are written by that thread only, finished ones by this loop only.
+        # Steps ended by vLLM's thread (schedule_finish) and finished here, in order, by one task:
+        # the scheduled count is written by that thread only, the done count by this loop only.
         self.finishes_scheduled = 0
         self.finishes_done = 0
-        self._finish_lock = anyio.Lock()  # FIFO: a request's later pages commit after its earlier ones
+        self._finishes: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._finish_wakeup = anyio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[CacheService]:
         self._loop_thread = threading.get_ident()
+        self._loop = asyncio.get_running_loop()
         async with HiCache.from_config(self.config) as cache:
             self.cache = cache
             try:
@@ -119,16 +124,18 @@ class CacheService(anyio.AsyncContextManagerMixin):
             try:
                 os.chmod(self.socket_path, 0o600)
                 async with AsyncExitStack() as stack:
-                    stack.push_async_callback(self._settle_steps, _SETTLE_TIMEOUT_S)
                     if self.options.metrics_port is not None:
                         await self._serve_metrics(stack)
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(listener.serve, self._serve)
+                        tg.start_soon(self._finish_steps)
                         if self.options.stats_interval_s > 0:
                             tg.start_soon(self._prepare_payloads, self.options.stats_interval_s)
                         try:
                             yield self
                         finally:
+                            with anyio.CancelScope(shield=True):
+                                await self._settle_steps(_SETTLE_TIMEOUT_S)  # the steps vLLM ended, first
                             tg.cancel_scope.cancel()
             finally:
                 for op in self._held.values():
@@ -366,27 +373,47 @@ class CacheService(anyio.AsyncContextManagerMixin):
             self.counters.saves += 1
             self.counters.saved_tokens += added
 
-    async def finish_step(
+    def schedule_finish(
         self, step: StepLeases, saves: list[SaveSpec] | None, skip: set[str],
         records: list[tuple[str, int, dict[str, int], int]],
     ) -> None:
-        """End a step off vLLM's thread: commit its saved pages, release its leases, count its loads.
+        """From vLLM's thread, without waiting: end this step on the loop (``_finish_steps``).
 
-        vLLM's thread schedules this and returns (the pages are already copied into the reserved
-        device pages); steps finish one at a time in the order they ended, so a request's pages of
-        one step are in the index before those of its next step are committed under them.
+        The step's pages are already copied into its reserved device pages; committing them,
+        releasing its leases and counting its loads need not hold vLLM's next step back.
         """
-        try:
-            async with self._finish_lock:
+        assert self._loop is not None, "the service is not open"
+        self.finishes_scheduled += 1
+        self._finishes.put((step, saves, skip, records))
+        self._loop.call_soon_threadsafe(self._wake_finisher)
+
+    def _wake_finisher(self) -> None:
+        self._finish_wakeup.set()  # on the loop: the event the finisher waits on now
+
+    async def _finish_steps(self) -> None:
+        """Finish the steps vLLM ended, one at a time in the order they ended, so that a request's
+        pages of one step are in the index before those of its next step are committed under them."""
+        while True:
+            await self._finish_wakeup.wait()
+            self._finish_wakeup = anyio.Event()
+            while True:
                 try:
-                    if saves is not None:
-                        await self.commit(step, saves, skip)
+                    step, saves, skip, records = self._finishes.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    with anyio.CancelScope(shield=True):  # a started commit completes, leases are released
+                        try:
+                            if saves is not None:
+                                await self.commit(step, saves, skip)
+                        finally:
+                            await self.close_step(step)
+                        if records:
+                            self.record_loads(records)
+                except Exception as exc:  # noqa: BLE001 - one step's failure must not end the others
+                    log.error("hicache: a vLLM step failed to finish: %r", exc, exc_info=exc)
                 finally:
-                    await self.close_step(step)
-                if records:
-                    self.record_loads(records)
-        finally:
-            self.finishes_done += 1
+                    self.finishes_done += 1
 
     async def _settle_steps(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until every step vLLM ended has finished."""

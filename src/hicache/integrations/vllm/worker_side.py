@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +67,6 @@ class WorkerSide:
         self._step: _Step | None = None
         self._errors: set[int] = set()
         self._exported = 0  # sequence number of the last export handed to vLLM
-        self._finishing: list[Future[None]] = []  # steps handed to the loop (finish_step), not yet done
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -253,21 +251,7 @@ class WorkerSide:
                 log.info("hicache: loaded %d tokens for %s %s", tokens, spec.req_id, by_tier)
         self._errors |= step.failed_blocks
         saves = step.meta.saves if step.save_map is not None else None
-        service.finishes_scheduled += 1  # this thread only; the loop counts them done
-        self._finishing.append(
-            self._portal.start_task_soon(service.finish_step, step.leases, saves, step.failed_reqs, records)
-        )
-        self._reap()
-
-    def _reap(self) -> None:
-        """Drop the finished step futures; a step that failed to finish is logged, never silent."""
-        pending = []
-        for future in self._finishing:
-            if not future.done():
-                pending.append(future)
-            elif not future.cancelled() and future.exception() is not None:
-                log.error("hicache: a step failed to finish: %r", future.exception())
-        self._finishing = pending
+        service.schedule_finish(step.leases, saves, step.failed_reqs, records)  # returns at once
 
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
