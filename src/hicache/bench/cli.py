@@ -1,4 +1,4 @@
-"""``hicache bench multiturn|long-context|vllm``: run the configurations on one trace, compare them.
+"""``hicache bench multiturn|long-context|vllm|vllm-overhead``: run the configurations on one trace, compare them.
 
 Each configuration runs in its own process (``hicache.bench.worker``), in the order given (with
 ``--repeat N``, N times in alternating order: ``repeats.py``); the parent prints the table,
@@ -37,6 +37,8 @@ from .report import (
 from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing
 from .vllm_bench import add_parser as add_vllm_parser
 from .vllm_bench import run_vllm_benchmark
+from .vllm_overhead import add_parser as add_vllm_overhead_parser
+from .vllm_overhead import run_overhead_benchmark
 from .worker import RunSpec
 from .workloads import LongContext, MultiTurn
 
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-length", type=int, default=LongContext.output_len)
     _common(lc)
     add_vllm_parser(sub)  # `hicache bench vllm`: the same multi-turn trace through vLLM (vllm_bench.py)
+    add_vllm_overhead_parser(sub)  # `hicache bench vllm-overhead`: the connector's cost when nothing hits
     return parser
 
 
@@ -333,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.benchmark == "vllm":
         run_vllm_benchmark(args)
+    elif args.benchmark == "vllm-overhead":
+        run_overhead_benchmark(args)
     else:
         run_benchmark(args)
     return 0

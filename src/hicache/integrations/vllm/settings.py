@@ -6,7 +6,11 @@ the model's identity and KV geometry from vLLM's model config.
 * ``config``: a hicache YAML file (default: the packaged defaults);
 * ``overrides``: a dict merged over it (same shape as the YAML);
 * ``staging_tokens``: tokens of the device tier (default: ``max_model_len`` plus
-  ``max_num_batched_tokens``; it only stages pages between vLLM's blocks and the host tier).
+  ``max_num_batched_tokens``; it only stages pages between vLLM's blocks and the host tier);
+* ``stats_interval_s``: how often the worker reports hicache's metrics through vLLM's connector
+  stats, which vLLM's ``/metrics`` then exports (default 1.0; 0 turns it off);
+* ``metrics_port`` / ``metrics_host``: also serve hicache's own ``/metrics`` from the worker
+  (default: not served; host ``127.0.0.1``; port 0 picks a free one, logged).
 
 The ``model`` section is always filled from vLLM: name (the model path or id, plus the
 quantization method), layers, KV heads, head size and KV dtype. Its ``revision`` is the weights'
@@ -18,8 +22,10 @@ vLLM's block size; a page size given in the YAML must divide it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +36,35 @@ import yaml
 from ...config import HiCacheConfig, load_config
 from ...errors import ConfigError, UnsupportedModelError
 
-__all__ = ["EXTRA_KEYS", "cache_config_for", "weights_fingerprint"]
+__all__ = ["EXTRA_KEYS", "ConnectorOptions", "cache_config_for", "connector_options", "weights_fingerprint"]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
-EXTRA_KEYS = ("config", "overrides", "staging_tokens")
+EXTRA_KEYS = ("config", "overrides", "staging_tokens", "stats_interval_s", "metrics_port", "metrics_host")
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector's own settings from ``kv_connector_extra_config`` (the cache's are in its YAML)."""
+
+    stats_interval_s: float = 1.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+
+def connector_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
+    """``ConnectorOptions`` from the extra config; a bad value is a ``ConfigError`` naming the key."""
+    extra = dict(extra or {})
+    interval = extra.get("stats_interval_s", 1.0)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or not math.isfinite(interval) or interval < 0:
+        raise ConfigError(f"kv_connector_extra_config.stats_interval_s must be a number >= 0, not {interval!r}")
+    port = extra.get("metrics_port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(f"kv_connector_extra_config.metrics_port must be a port number (0-65535), not {port!r}")
+    host = extra.get("metrics_host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"kv_connector_extra_config.metrics_host must be a host name or address, not {host!r}")
+    return ConnectorOptions(stats_interval_s=float(interval), metrics_port=port, metrics_host=host)
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CHUNK = 16 << 20
@@ -102,11 +132,19 @@ def _explicit_page_size(path: str | None, overrides: Mapping[str, Any]) -> bool:
 
 
 def cache_config_for(
-    vllm_config: Any, extra: Mapping[str, Any] | None = None, *, device: str = "cpu", fingerprint: bool = True
+    vllm_config: Any,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    device: str = "cpu",
+    fingerprint: bool = True,
+    max_shutdown_s: float | None = None,
 ) -> HiCacheConfig:
     """The ``HiCacheConfig`` for a vLLM engine (``extra``: ``kv_connector_extra_config``).
 
     ``fingerprint=False`` skips hashing the weights (the scheduler side needs only the geometry).
+    ``max_shutdown_s``: how long vLLM lets the worker take to exit; ``controller.shutdown_timeout_s``
+    is cut to it (with a log line), so that the drain ends, and says what it could not write, before
+    vLLM kills the process.
     """
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
@@ -137,11 +175,19 @@ def cache_config_for(
     staging = int(extra.get("staging_tokens") or (vllm_config.model_config.max_model_len + sched.max_num_batched_tokens))
     staging_pages = -(-staging // page_size)
     probe = load_config(path, overrides=_merge(user, {"model": model, "page_size": page_size}))
-    derived = {
+    derived: dict[str, Any] = {
         "model": model,
         "page_size": page_size,
         "tiers": {"device": {"capacity": staging_pages * probe.page_bytes, "device": device}},
     }
+    wanted = probe.controller.shutdown_timeout_s
+    if max_shutdown_s is not None and wanted > max_shutdown_s:
+        derived["controller"] = {"shutdown_timeout_s": max_shutdown_s}
+        log.info(
+            "hicache: the drain at shutdown is bounded at %.1f s (controller.shutdown_timeout_s=%.1f): vLLM kills "
+            "its worker then; raise VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (and --shutdown-timeout) to give it more",
+            max_shutdown_s, wanted,
+        )
     return load_config(path, overrides=_merge(user, derived))
 
 
