@@ -16,6 +16,7 @@ step must load and save.
 * When a request finishes or is aborted it tells the worker to drop its prefetch.
 
 Lookups go to the worker over the side channel (see ``channel.py``); a lookup that fails is a miss.
+Under tensor parallelism they go to every rank's worker and the answer is the minimum (``ranks.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 from .channel import ChannelClient
 from .metadata import HiCacheMetadata, LoadSpec, SaveSpec
+from .ranks import RankChannels
 
 __all__ = ["SchedulerSide"]
 
@@ -40,7 +42,7 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, client: ChannelClient, page_size: int, block_size: int) -> None:
+    def __init__(self, client: ChannelClient | RankChannels, page_size: int, block_size: int) -> None:
         self.client = client
         self.page_size = page_size
         self.block_size = block_size
