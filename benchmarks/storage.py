@@ -4,6 +4,7 @@ Usage (``--backend redis`` / ``mooncake`` / ``s3`` / ``redis-cluster`` run ``sto
 ``storage_mooncake.py`` / ``storage_s3.py`` / ``storage_redis_cluster.py``, the shared tiers'
 benchmarks, with the other arguments)::
 
+    python benchmarks/storage.py --codecs none,lossless,int8,aes-gcm [--backend file|redis|s3] ...  # the codec axis
     python benchmarks/storage.py [--backend file|redis|mooncake|s3|redis-cluster] [--pages 256] [--layers 30] [--heads 3] [--head-dim 64] [--page-size 64]
                                  [--dtype float32] [--repeat 3] [--dir DIR] [--host-layout page_first|layer_first]
                                  [--fsync always|never] [--tenant-key KEY] [--json out.json]
@@ -133,6 +134,9 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
     tier = StorageTier("file", backend, codec, host, batch_pages=max(1, (64 * 2**20) // g.page_bytes))
     host_pages = list(range(n))
     times: dict[str, dict[str, list[float]]] = {op: {"raw": [], "hicache": []} for op in ("write", "read")}
+    # CPU seconds of the whole process (every thread) per operation: steadier than wall time on a
+    # shared machine, and what the tier costs beyond the raw operation.
+    cpu: dict[str, dict[str, list[float]]] = {op: {"raw": [], "hicache": []} for op in ("write", "read")}
 
     async with tier:
         for _ in tqdm(range(args.repeat), desc="repetitions", file=sys.stderr, leave=False):
@@ -142,21 +146,27 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
             fsync(root)
             keys = [os.urandom(16) for _ in range(n)]
 
+            c0 = time.process_time()
             times["write"]["raw"].append(raw_write(raw_file, raw_header, saved_bytes, args.fsync == "always"))
-            t0 = time.perf_counter()
+            cpu["write"]["raw"].append(time.process_time() - c0)
+            t0, c0 = time.perf_counter(), time.process_time()
             written = await tier.store(keys, host_pages)
             times["write"]["hicache"].append(time.perf_counter() - t0)
+            cpu["write"]["hicache"].append(time.process_time() - c0)
             assert written == n, f"store wrote {written} of {n} pages"
 
+            c0 = time.process_time()
             times["read"]["raw"].append(raw_read(raw_file, raw_header, host_bytes))
+            cpu["read"]["raw"].append(time.process_time() - c0)
             assert np.array_equal(host_bytes, saved_bytes), "raw read differs from the bytes written"
 
             host.buffer.zero_()
             for name in codec.storage_keys(keys):  # the files are named by the codec (keyed names with a key)
                 fsync(backend.path_of(name), drop_cache=True)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             got = await tier.fetch(keys, host_pages)
             times["read"]["hicache"].append(time.perf_counter() - t0)
+            cpu["read"]["hicache"].append(time.process_time() - c0)
             assert got == n, f"fetch verified {got} of {n} pages"
             assert torch.equal(host.page_major().view(torch.int32), saved.view(torch.int32)), "fetched pages differ"
         stats = backend.stats()
@@ -173,6 +183,7 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
         "fsync": args.fsync,
         "repeat": args.repeat,
         "mac": "blake3 keyed (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)",
+        "cpu_seconds": cpu,
         "backend_stats": {
             "pages_written": stats.pages_written, "pages_read": stats.pages_read, "errors": stats.errors,
             "timeouts": stats.timeouts, "corrupt_pages": stats.corrupt_pages, "tier_failures": tier.failures,
@@ -196,6 +207,11 @@ def summarize(times: dict[str, dict[str, list[float]]], op_bytes: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # The codec axis (bytes per page, logical GB/s per codec chain, for file, redis and s3) is
+    # benchmarks/storage_codecs.py: `--codecs none,lossless,...` runs it with the other arguments.
+    if any(a == "--codecs" or a.startswith("--codecs=") for a in argv):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        return __import__("storage_codecs").main(argv)
     # The shared tiers have their own scripts (a server to start, a raw client to compare with);
     # `--backend redis|mooncake|s3|redis-cluster` runs them with the remaining arguments.
     if "--backend" in argv:
@@ -256,6 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
     for cells in [headers, *body]:
         print("  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip())
+    cpu = meta["cpu_seconds"]
+    print("CPU seconds per GB (median; every thread of the process): " + ", ".join(
+        f"{op} raw {statistics.median(cpu[op]['raw']) / meta['op_bytes'] * 1e9:.2f} / hicache "
+        f"{statistics.median(cpu[op]['hicache']) / meta['op_bytes'] * 1e9:.2f}" for op in ("write", "read")))
     verdicts = (f"{op} {'yes' if r['ratio_median'] >= 0.8 else 'NO'}" for op, r in rows.items())
     print(f"\ntarget >= 0.8 x raw (medians): {', '.join(verdicts)}")
     print("backend stats: " + ", ".join(f"{k} {v}" for k, v in meta["backend_stats"].items()))

@@ -212,3 +212,58 @@ def test_a_backend_that_cannot_list_says_so(tmp_path: Path, capsys, mooncake_clu
     assert code == 2 and "admin_url" in out
     code, out = inspect(capsys, "purge", failing)
     assert code == 2 and "--all" in out
+
+
+def page_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("??/*.kv") if p.is_file() and not p.is_symlink())
+
+
+def test_verify_reads_as_a_reader_and_leaves_recency_alone(tmp_path: Path, capsys) -> None:
+    """verify read every page through the cache's read path, which refreshes each file's mtime: after
+    it, summary showed every page as just used and ``purge --older-than`` selected nothing."""
+    import os
+    import time
+
+    entry = {"kind": "file", "name": "store", "path": str(tmp_path / "pages"), "fsync": "never"}
+    fill(entry, 0, 2)
+    cfg = write_config(tmp_path / "config.yaml", entry)
+    week_ago = time.time() - 8 * 86400
+    files = page_files(tmp_path / "pages")
+    for path in files:
+        os.utime(path, (week_ago, week_ago))
+    code, report = inspect(capsys, "verify", cfg, "--json")
+    assert code == 0 and report["ok"] == len(files) == 2 * PROMPT_PAGES
+    assert [p.stat().st_mtime for p in files] == [week_ago] * len(files)
+    code, summary = inspect(capsys, "summary", cfg, "--json")
+    assert summary["newest_use"] == pytest.approx(week_ago)
+    code, table = inspect(capsys, "purge", cfg, "--older-than", "7d")
+    assert code == 0 and f"would remove {len(files)} of {len(files)} pages" in table
+
+
+def test_purge_by_age_skips_entries_that_are_not_pages(tmp_path: Path, capsys) -> None:
+    """One FIFO or link named like a page made ``purge --older-than`` refuse with "the file backend
+    keeps no last-use time"; they are reported and left to ``verify --repair``, the pages purged."""
+    import os
+    import time
+
+    entry = {"kind": "file", "name": "store", "path": str(tmp_path / "pages"), "fsync": "never"}
+    names = fill(entry, 0, 2)
+    cfg = write_config(tmp_path / "config.yaml", entry)
+    old = time.time() - 8 * 86400
+    files = page_files(tmp_path / "pages")
+    for path in files[:5]:
+        os.utime(path, (old, old))
+    fifo, link = (tmp_path / "pages" / n[:2] / f"{n}.kv" for n in ("ab" + "0" * 30, "cd" + "1" * 30))
+    for planted in (fifo, link):
+        planted.parent.mkdir(exist_ok=True)
+    os.mkfifo(fifo)
+    link.symlink_to(files[6])
+    code, table = inspect(capsys, "purge", cfg, "--older-than", "7d")
+    assert code == 0, table
+    assert f"would remove 5 of {len(names) + 2} pages" in table and "2 entries that are not pages" in table
+    code, report = inspect(capsys, "purge", cfg, "--older-than", "7d", "--yes", "--json")
+    assert code == 0 and report["removed"] == 5 and report["not_pages"] == 2
+    assert len(page_files(tmp_path / "pages")) == len(names) - 5
+    assert fifo.exists() and link.is_symlink()  # left alone: verify --repair removes them
+    code, report = inspect(capsys, "verify", cfg, "--repair", "--json")
+    assert report["removed"] == 2 and not fifo.exists() and not link.is_symlink() and files[6].is_file()

@@ -24,7 +24,7 @@ def make(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     bin_dir = str(Path(sys.executable).parent)
     cmd = ["make", "--no-print-directory", "-o", ".venv/.installed", "-o", ".venv-vllm/.installed",
-           f"BIN={bin_dir}", *args]
+           "-o", ".venv-sglang/.installed", f"BIN={bin_dir}", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -39,12 +39,12 @@ RUNS = {
     "bench": (["bench", "ARGS=--help"], "transfer.py"),
     "bench-storage": (["bench-storage", "ARGS=--help"], "storage.py"),
     "gpu-check": (["gpu-check", "ARGS=--help"], "gpu_check.py"),
-    "test": (["test", "TEST_ARGS=--version", "VLLM_TESTS="], "-m pytest --version"),
+    "test": (["test", "TEST_ARGS=--version", "VLLM_TESTS=", "SGLANG_TESTS="], "-m pytest --version"),
 }
 
 
 def test_the_readme_names_only_targets_this_test_knows() -> None:
-    assert readme_targets() <= set(RUNS) | {"bench-vllm", "venv-vllm"}, readme_targets()
+    assert readme_targets() <= set(RUNS) | {"bench-vllm", "venv-vllm", "bench-sglang", "venv-sglang"}, readme_targets()
 
 
 @pytest.mark.parametrize("target", sorted(RUNS))
@@ -70,6 +70,15 @@ def test_the_vllm_targets_parse_and_name_the_second_environment() -> None:
     assert make("-n", "venv-vllm").returncode == 0
     here = make("bench-vllm", f"VLLM_BIN={Path(sys.executable).parent}", "VLLM_ARGS=--help")
     assert here.returncode == 0 and "hicache bench vllm" in here.stdout, here.stdout[-2000:] + here.stderr[-2000:]
+
+
+def test_the_sglang_targets_name_the_third_environment() -> None:
+    # SGLang lives in .venv-sglang: its targets are checked as a dry run.
+    dry = make("-n", "bench-sglang", "ARGS=--help")
+    assert dry.returncode == 0 and ".venv-sglang/bin/python benchmarks/sglang_storage.py --help" in dry.stdout, dry.stdout
+    assert make("-n", "venv-sglang").returncode == 0
+    test = make("-n", "test")
+    assert test.returncode == 0 and ".venv-sglang/bin/python -m pytest tests/sglang" in test.stdout, test.stdout
 
 
 def test_the_readme_starts_with_exactly_the_two_set_up_commands() -> None:

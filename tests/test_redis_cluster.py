@@ -280,3 +280,53 @@ async def test_a_primary_killed_mid_run_then_back(cluster: ValkeyCluster) -> Non
         for tokens, kv in prompts[10:]:  # written after the node came back: served whole
             assert await read_back(fresh, tokens, kv) == (24, True)
         assert fresh.stats().storage["redis"].failures == 0
+
+
+@pytest.mark.parametrize("dead", [0, 1, 2])
+async def test_a_fresh_engine_is_served_whatever_primary_is_down(cluster: ValkeyCluster, dead: int) -> None:
+    """Each primary killed in turn, then a fresh engine (a new cluster client, as a process that starts
+    or restarts meanwhile): each prompt is served exactly up to its first page on the dead node.
+
+    redis-py's ``RedisCluster.initialize()`` sends ``COMMAND`` to its default node, the primary of slot
+    0, on every call until it succeeds: with node 0 down a fresh client got 0 tokens for every prompt
+    and counted a failure per call, even though ``url`` named a node that was up.
+    """
+    from hicache.keys import as_token_bytes, chain_keys
+
+    up = (dead + 1) % 3
+    prefix = f"each-node-{dead}"  # fixed: which pages land on which node is fixed
+    tier = {"kind": "redis", "url": f"redis://127.0.0.1:{cluster.ports[up]}/0", "cluster": True, "key_prefix": prefix,
+            "cluster_seeds": [f"127.0.0.1:{p}" for i, p in enumerate(cluster.ports) if i != up], "timeout_s": 2.0}
+    config = make_config(64, 256, tiers={"storage": [tier]},
+                         policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": 4})
+    prompts = [(make_tokens(24, seed=70 + i), make_kv(config, 24, seed=70 + i)) for i in range(8)]
+    async with HiCache.from_config(config) as cache:
+        for tokens, kv in prompts:
+            await cache.store(tokens, kv)
+        await cache.wait_idle()
+        assert cache.stats().storage["redis"].stored_pages == 48
+        seed, codec = cache.controller.tree.seed, cache.controller.storage[0].codec
+    expected = []
+    for tokens, _ in prompts:
+        names = codec.storage_keys(chain_keys(seed, as_token_bytes(tokens), config.page_size))
+        nodes = [cluster.node_of(f"{prefix}:{n.hex()}") for n in names]
+        expected.append(config.page_size * (nodes.index(dead) if dead in nodes else len(nodes)))
+    assert 0 < sum(expected) < 8 * 24, expected  # some prompts reach the dead node, not all at their first page
+    victim = cluster.nodes[dead]
+    victim.kill()
+    try:
+        started = time.monotonic()
+        async with HiCache.from_config(config) as fresh:
+            got = []
+            for tokens, kv in prompts:
+                n, exact = await read_back(fresh, tokens, kv)
+                assert exact
+                got.append(n)
+            failures = fresh.stats().storage["redis"].failures
+        assert got == expected
+        # A failure only for a call whose first page is on the dead node (lookup's probe, prefetch's read).
+        assert failures <= 2 * sum(e == 0 for e in expected), failures
+        assert time.monotonic() - started < 20
+    finally:
+        victim.start()
+        cluster.wait_ok()

@@ -273,3 +273,21 @@ async def test_file_fsync_always_syncs_every_page_and_its_folder(tmp_path: Path,
         out = empty(2)
         assert await b.get([key(1), key(2)], out) == 2 and same(out[0], page(1)) and same(out[1], page(2))
     assert len(synced) >= 4  # each page file, and the shard folder it was renamed into
+
+
+async def test_file_writes_without_a_temporary_name_and_falls_back_to_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """New pages are linked into place from an unnamed file (O_TMPFILE); a rewrite, or a file
+    system without O_TMPFILE, goes through a temporary name and a rename: whole pages either way."""
+    import hicache.tiers.storage.page_files as page_files
+
+    async with FileBackend(path=str(tmp_path)) as b:
+        assert page_files._anonymous[0]  # this file system takes O_TMPFILE
+        await b.set([key(0)], [page(0)])
+        await b.set([key(0)], [page(0, salt=1)])  # the name is taken: tmp + rename
+        monkeypatch.setattr(page_files, "_anonymous", [False])
+        await b.set([key(1)], [page(1)])
+        out = empty(2)
+        assert await b.get([key(0), key(1)], out) == 2 and same(out[0], page(0, salt=1)) and same(out[1], page(1))
+        assert not list(tmp_path.rglob("*.tmp"))

@@ -120,6 +120,22 @@ async def test_after_a_restart_the_file_tier_gives_the_same_logits_and_answer(tm
     assert again == first == greedy(MODEL, tokens, 6)
 
 
+@MODES
+@pytest.mark.parametrize("length, pages", [(301, 0), (301, 9), (170, 10)], ids=["cold", "long-step", "short-step"])
+async def test_a_prefill_and_its_decode_steps_give_the_models_own_answer(length: int, pages: int, mode: dict) -> None:
+    """Prompts that end mid-page, cold and after a cached prefix: the rest computed in a step of
+    at least ``SPLIT_MIN_QUERIES`` tokens (causal kernel and a merge) or of fewer (one masked call)."""
+    tokens = prompt(length, seed=length + pages)
+    async with HiCache.from_config(lm_config(MODEL, None)) as cache:
+        lm = CachedCausalLM(MODEL, cache, **mode)
+        if pages:
+            await run(lm, tokens[: pages * PAGE])
+        out, seq = await run(lm, tokens, new_tokens=2)
+        assert seq.cached_tokens == pages * PAGE
+        assert torch.allclose(seq.logits, full_prefill_logits(MODEL, tokens + out[:-1]), atol=1e-5)
+        assert out == greedy(MODEL, tokens, 3)
+
+
 async def test_a_fully_cached_prompt_recomputes_its_last_token() -> None:
     tokens = prompt(6 * PAGE, seed=8)
     async with HiCache.from_config(lm_config(MODEL, None)) as cache:

@@ -16,9 +16,11 @@ from anyio.from_thread import start_blocking_portal
 
 from hicache import ConfigError, UnsupportedModelError, load_config
 from hicache.integrations.vllm.channel import ChannelClient, encode, socket_path
+from hicache.integrations.vllm.export import decode
+from hicache.integrations.vllm.export import encode as encode_families
 from hicache.integrations.vllm.layout import BlockLayout
 from hicache.integrations.vllm.service import CacheService
-from hicache.integrations.vllm.settings import cache_config_for, weights_fingerprint
+from hicache.integrations.vllm.settings import cache_config_for, connector_options, weights_fingerprint
 
 from .conftest import make_kv, make_tokens
 
@@ -73,7 +75,7 @@ def _vllm_config(model: str, *, block_size: int = 128, mla: bool = False, revisi
         model=model, revision=revision, dtype=torch.float32, quantization=None, use_mla=mla, is_hybrid=False,
         is_attention_free=False, max_model_len=1024,
         get_sliding_window=lambda: None, get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2,
-        get_head_size=lambda: 8,
+        get_head_size=lambda: 8, get_total_num_kv_heads=lambda: 2,
     )
     return SimpleNamespace(
         model_config=mc,
@@ -112,6 +114,43 @@ def test_page_size_extra_keys_and_unsupported_models_are_checked(tmp_path: Path)
         cache_config_for(_vllm_config(str(tmp_path), mla=True))
 
 
+def test_the_connectors_own_extra_keys_are_checked() -> None:
+    opts = connector_options({"metrics_port": 0, "stats_interval_s": 0.5})
+    assert (opts.metrics_port, opts.stats_interval_s, opts.metrics_host) == (0, 0.5, "127.0.0.1")
+    assert connector_options({}).metrics_port is None
+    for bad in ({"metrics_port": 70000}, {"metrics_port": "9400"}, {"metrics_port": True},
+                {"stats_interval_s": -1}, {"stats_interval_s": float("nan")}, {"metrics_host": ""}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            connector_options(bad)
+
+
+# -- metrics export --------------------------------------------------------------------------------
+
+
+def test_the_metrics_export_survives_the_trip_through_vllms_processes_with_vllms_labels(tmp_path: Path) -> None:
+    """What the worker exports is plain data (JSON round trip) and decodes to the same samples, with
+    vLLM's labels added; a malformed family is skipped, never a failed scrape."""
+    import json
+
+    config = load_config(overrides={
+        "model": {"name": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
+        "page_size": 4, "tiers": {"device": {"capacity": "64KiB", "device": "cpu"}, "host": {"capacity": "64KiB"}},
+    }, env={})
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(
+        CacheService(config, str(tmp_path / "s.sock"))
+    ) as service:
+        portal.call(service.cache.store, make_tokens(16), make_kv(config, 16))
+        service.worker_profile.add("save", 0.25)
+        data = json.loads(json.dumps(portal.call(service.export)))
+    families = {f.name: f for f in decode([*data, ["broken"]], {"model_name": "m", "engine": "0"})}
+    stored = families["hicache_stored_pages"].samples[0]
+    assert stored.value == 4 and stored.labels == {"model_name": "m", "engine": "0"}
+    hooks = {(s.labels["side"], s.labels["hook"]): s.value for s in families["hicache_vllm_hook_seconds"].samples}
+    assert hooks[("worker", "save")] == 0.25
+    assert families["hicache_lookup_seconds"].type == "histogram"
+    assert encode_families(decode(data)) == data  # nothing lost or reshaped on the way
+
+
 # -- side channel ----------------------------------------------------------------------------------
 
 
@@ -127,7 +166,7 @@ def test_the_scheduler_learns_what_the_worker_holds_over_the_channel(tmp_path: P
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(CacheService(config, path)) as service:
         client = ChannelClient(path, timeout_s=5)
         assert client.call({"op": "lookup", "req": "a", "tokens": tokens, "prefetch": True}) == {
-            "tokens": 0, "by_tier": {"device": 0, "host": 0}}
+            "tokens": 0, "by_tier": {"device": 0, "host": 0}, "held": False}  # no prefetch: no forget owed
         portal.call(service.cache.store, tokens[:32], make_kv(config, 32))
         reply = client.call({"op": "lookup", "req": "a", "tokens": tokens, "prefetch": False})
         assert reply is not None and reply["tokens"] == 32

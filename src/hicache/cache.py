@@ -472,17 +472,28 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
     # -- the storage chain at runtime -----------------------------------------------------------
 
-    async def attach_storage(self, entry: Mapping[str, Any] | StorageTierConfig, position: int | None = None) -> StorageChange:
+    async def attach_storage(
+        self, entry: Mapping[str, Any] | StorageTierConfig, position: int | None = None, *, from_request: bool = False
+    ) -> StorageChange:
         """Add a storage tier while the cache runs: ``entry`` is one ``tiers.storage`` item (a dict
         as in YAML), validated as the config validates it; ``position`` 0 is the fastest (probed
         first), ``None`` the end. The backend is opened before anything changes, so a tier that
         cannot open (``ConfigError``, ``StorageBackendError``) leaves the cache as it was. Pages
         already in other tiers are not copied to it. See ``controller/storage_chain.py``.
+
+        ``from_request=True`` (the admin endpoint): ``entry`` (a dict) came from outside the process,
+        so its ``kind`` must be a built-in or an installed plugin (no class path: nothing is imported)
+        and its settings read nothing from this process's environment (``config.REQUEST_CONTEXT``).
         """
         self.controller.check_open()
         if self._build_storage_tier is None:
             raise ConfigError("this cache was not built by HiCache.from_config: it cannot build storage tiers")
-        validated = entry if isinstance(entry, StorageTierConfig) else storage_entry(entry, "attach_storage")
+        if isinstance(entry, StorageTierConfig):
+            if from_request:
+                raise ConfigError("attach_storage: an entry from a request is a mapping, validated here")
+            validated = entry
+        else:
+            validated = storage_entry(entry, "attach_storage", from_request=from_request)
         change = await self.controller.attach_storage(self._build_storage_tier(validated), position)
         storage = list(self.config.tiers.storage)
         storage.insert(change.position, validated)

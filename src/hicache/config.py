@@ -23,6 +23,7 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 import yaml
@@ -35,6 +36,7 @@ from pydantic import (
     PlainSerializer,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -50,8 +52,9 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ENV_PREFIX", "SECRET_MASK", "ByteSize", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig", "HostTierConfig",
-    "IOConfig", "LoggingConfig", "ModelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
+    "ENV_PREFIX", "SECRET_MASK", "ByteSize", "CodecConfig", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig",
+    "HostTierConfig", "IOConfig", "LoggingConfig", "ModelConfig", "ParallelConfig", "PoliciesConfig",
+    "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
     "format_size", "load_config", "mask_url", "parse_size", "storage_entry",
 ]
 
@@ -209,29 +212,107 @@ class HostTierConfig(BaseModel):
     pin_memory: _PinMemory = "auto"
 
 
+_CODEC_ROLES = {"int8": 0, "lossless": 1, "aes-gcm": 2}  # lossy, lossless, encryption: the order of a chain
+_CODEC_OPTIONS: dict[str, set[str]] = {"int8": set(), "lossless": {"coder", "level"}, "aes-gcm": {"key"}}
+
+
+class CodecConfig(BaseModel):
+    """One stage of a storage tier's ``codec`` list (README "Storage tiers: codecs").
+
+    Written as a name (``lossless``) or a mapping (``{kind: aes-gcm, key: ${PAGE_KEY}}``):
+
+    * ``int8``: 8-bit KV, K scaled per channel and V per token (lossy: its pages are another namespace);
+    * ``lossless``: byte-shuffle + ``coder`` (``zstd`` at ``level``, or ``lz4``), from blosc2;
+    * ``aes-gcm``: AES-256-GCM at rest; the key derives from ``tenant_key``, or from ``key`` when set.
+    """
+
+    model_config = _FROZEN
+
+    kind: Literal["int8", "lossless", "aes-gcm"]
+    coder: Literal["zstd", "lz4"] = "zstd"
+    level: _Int = Field(default=1, ge=1, le=9)
+    key: SecretStr | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, value: object) -> object:
+        return {"kind": value} if isinstance(value, str) else value
+
+    @field_validator("key", mode="before")
+    @classmethod
+    def _key_text(cls, value: object) -> object:
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise ValueError("must be a string (quote it in YAML); the value is not shown")
+        if value == SECRET_MASK:
+            raise ValueError("is the mask hicache prints in place of a secret, not a key: set the real key")
+        if len(value) < MIN_TENANT_KEY_CHARS:
+            raise ValueError(f"must be at least {MIN_TENANT_KEY_CHARS} characters (the value is not shown)")
+        return value
+
+    @model_validator(mode="after")
+    def _options_of_its_kind(self) -> CodecConfig:
+        for name in sorted(self.model_fields_set - _CODEC_OPTIONS[self.kind] - {"kind"}):
+            raise _field_error(name, f"is not a setting of codec {self.kind!r}")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _own_options(self, handler: Any) -> Any:
+        """Dumps name only the stage's own settings (so they load back)."""
+        data = handler(self)
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k == "kind" or k in _CODEC_OPTIONS[self.kind]}
+            if data.get("key") is None:
+                data.pop("key", None)
+        return data
+
+
 class StorageTierConfig(BaseModel):
     """One storage tier below the host pool: ``kind`` picks the backend, the other keys configure it.
 
     ``kind`` is a built-in (``memory``, ``file``), the name of an installed plugin (entry-point group
     ``hicache.storage``) or a class path ``package.module:ClassName``. Every other key is validated
-    against that backend's ``Settings``, so a typo is an error naming the field.
+    against that backend's ``Settings``, so a typo is an error naming the field. An entry that came
+    in a request is validated with ``REQUEST_CONTEXT`` (see ``storage_entry``).
     """
 
     model_config = ConfigDict(extra="allow", frozen=True, hide_input_in_errors=True)
 
     kind: str = Field(min_length=1)
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
+    #: Stages applied to every page on write, in order, and undone in reverse on read (none: the
+    #: page is the KV itself, read and written in place).
+    codec: list[CodecConfig] = Field(default_factory=list)
+
+    @field_validator("codec", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, (str, dict)) else value
+
+    @field_validator("codec")
+    @classmethod
+    def _chain_order(cls, stages: list[CodecConfig]) -> list[CodecConfig]:
+        kinds = [c.kind for c in stages]
+        if len(set(kinds)) != len(kinds):
+            raise ValueError(f"each codec at most once, got {kinds}")
+        if kinds != sorted(kinds, key=_CODEC_ROLES.__getitem__):
+            raise ValueError(f"codecs go in the order int8, lossless, aes-gcm (quantise, compress, encrypt), got {kinds}")
+        return stages
 
     @model_validator(mode="after")
-    def _backend_settings(self) -> StorageTierConfig:
+    def _backend_settings(self, info: ValidationInfo) -> StorageTierConfig:
         from .tiers.storage.registry import resolve_backend  # lazy: plugins load only when configured
 
+        context = info.context or {}
         try:
-            backend = resolve_backend(self.kind)
+            backend = resolve_backend(self.kind, class_paths=context.get("class_paths", True))
         except ConfigError as exc:
             raise _field_error("kind", str(exc)) from None
         try:
-            backend.Settings.model_validate(self.model_extra or {})
+            backend.Settings.model_validate(self.model_extra or {}, context=context or None)
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
             loc, message = _describe(err, secret=_is_secret(backend.Settings, tuple(err["loc"])))
@@ -243,6 +324,8 @@ class StorageTierConfig(BaseModel):
         """Dumps (``hicache config``, benchmark JSON) never show a backend's secrets."""
         data = handler(self)
         if isinstance(data, dict):
+            if not data.get("codec", True):
+                del data["codec"]  # dumps of tiers without codecs stay as they were
             for name in self._secret_fields():
                 if data.get(name) is not None:
                     data[name] = SECRET_MASK
@@ -279,7 +362,7 @@ class StorageTierConfig(BaseModel):
 
     @property
     def options(self) -> dict[str, Any]:
-        """The backend's own settings (every key but ``kind`` and ``name``)."""
+        """The backend's own settings (every key but ``kind``, ``name`` and ``codec``)."""
         return dict(self.model_extra or {})
 
 
@@ -378,6 +461,37 @@ class LoggingConfig(BaseModel):
     repeat_interval_s: float = Field(default=60.0, ge=0)
 
 
+class ParallelConfig(BaseModel):
+    """Which slice of the model this rank's pages hold, for tensor- and pipeline-parallel engines.
+
+    ``model.num_layers`` and ``model.num_kv_heads`` are what *this rank* holds (the geometry of its
+    pages). Under TP a rank of an MHA/GQA model holds a slice of the KV heads (several ranks hold the
+    same head when there are fewer KV heads than ranks); under PP a stage holds a range of layers;
+    an MLA latent is the same on every TP rank. The namespace records the slice (``keys.Namespace``),
+    so ranks never read each other's heads and a page is served only where the slice is the same.
+    The defaults are a single rank holding the whole model.
+    """
+
+    model_config = _FROZEN
+
+    tp_rank: _Int = Field(default=0, ge=0)
+    tp_size: _Int = Field(default=1, ge=1)
+    pp_rank: _Int = Field(default=0, ge=0)
+    pp_size: _Int = Field(default=1, ge=1)
+    #: The model layer this stage's first layer is (None: ``pp_rank * model.num_layers``, equal stages).
+    first_layer: _Int | None = Field(default=None, ge=0)
+    #: The model's KV heads over all TP ranks (None: ``model.num_kv_heads * tp_size``, no head replicated).
+    total_kv_heads: _Int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _ranks_in_range(self) -> ParallelConfig:
+        if self.tp_rank >= self.tp_size:
+            raise _field_error("tp_rank", f"must be below tp_size ({self.tp_size}), got {self.tp_rank}")
+        if self.pp_rank >= self.pp_size:
+            raise _field_error("pp_rank", f"must be below pp_size ({self.pp_size}), got {self.pp_rank}")
+        return self
+
+
 class HiCacheConfig(BaseModel):
     """The root configuration; ``HiCacheConfig()`` is the packaged default."""
 
@@ -394,6 +508,7 @@ class HiCacheConfig(BaseModel):
     io: IOConfig = Field(default_factory=IOConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @property
     def page_bytes(self) -> int:
@@ -447,12 +562,43 @@ class HiCacheConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _encryption_has_a_key(self) -> HiCacheConfig:
+        for i, tier in enumerate(self.tiers.storage):
+            for j, stage in enumerate(tier.codec):
+                if stage.kind == "aes-gcm" and stage.key is None and self.tenant_key is None:
+                    raise _field_error(
+                        f"tiers.storage[{i}].codec[{j}]",
+                        "aes-gcm needs a key: set tenant_key (the page key derives from it), or the codec's own `key`",
+                    )
+        return self
+
+    @model_validator(mode="after")
     def _storage_needs_host(self) -> HiCacheConfig:
         if self.tiers.storage and self.tiers.host.capacity < self.page_bytes:
             raise _field_error(
                 "tiers.host.capacity",
                 f"storage tiers are written and read through the host tier: give it at least one page "
                 f"({format_size(self.page_bytes)}), got {format_size(self.tiers.host.capacity)}",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _heads_split_evenly(self) -> HiCacheConfig:
+        p, heads = self.parallel, self.model.num_kv_heads
+        if self.model.attention == "mla" or p.total_kv_heads is None:
+            return self  # MLA: every rank holds the one latent; None: heads x tp_size by definition
+        total, tp = p.total_kv_heads, p.tp_size
+        if total >= tp and (total % tp or heads != total // tp):
+            raise _field_error(
+                "parallel.total_kv_heads",
+                f"{total} KV heads over {tp} ranks is {total / tp:g} a rank, but model.num_kv_heads "
+                f"(the heads this rank holds) is {heads}",
+            )
+        if total < tp and (tp % total or heads != 1):
+            raise _field_error(
+                "parallel.total_kv_heads",
+                f"{total} KV heads over {tp} ranks: each rank holds one head replicated on {tp / total:g} "
+                f"ranks (tp_size must be a multiple of it), and model.num_kv_heads must be 1, got {heads}",
             )
         return self
 
@@ -505,14 +651,26 @@ def load_config(
         raise ConfigError("the settings nest too deeply") from None
 
 
-def storage_entry(entry: Mapping[str, Any], where: str = "storage entry") -> StorageTierConfig:
+#: How an entry that came in a request (the admin endpoint) is validated, rather than one of the
+#: process's own configuration: ``kind`` must be a built-in or an installed plugin (a class path is
+#: refused before anything is imported), and the backend's settings read nothing from this process's
+#: environment (``environ``: none; ``tiers.storage.base.settings_environ``): a file tier's ``$VAR``
+#: are unset variables, an s3 tier takes no ``AWS_*`` credentials. The tier is then built from the
+#: validated entry like any other: validation already refused whatever would have read the environment.
+REQUEST_CONTEXT: Mapping[str, Any] = MappingProxyType({"class_paths": False, "environ": MappingProxyType({})})
+
+
+def storage_entry(
+    entry: Mapping[str, Any], where: str = "storage entry", *, from_request: bool = False
+) -> StorageTierConfig:
     """Validate one ``tiers.storage`` item (a dict, as in YAML) as ``load_config`` would: a
     ``ConfigError`` naming ``where`` and the field, secrets never shown. No ``${VAR}`` expansion:
-    the caller passes values, not a file."""
+    the caller passes values, not a file. ``from_request``: the entry came from outside the process
+    (``REQUEST_CONTEXT``)."""
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: expected a mapping like {{kind: file, path: ...}}, got {type(entry).__name__}")
     try:
-        return StorageTierConfig.model_validate(dict(entry))
+        return StorageTierConfig.model_validate(dict(entry), context=dict(REQUEST_CONTEXT) if from_request else None)
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):

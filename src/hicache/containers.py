@@ -10,6 +10,7 @@ time, so two caches never share a pool.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from dependency_injector import containers, providers
@@ -36,7 +37,7 @@ from .tiers.storage.tier import StorageTier
 
 __all__ = [
     "Container", "geometry_from_config", "inspection_target", "page_codec_from_config", "storage_tier_from_entry",
-    "storage_tiers_from_config",
+    "storage_tiers_from_config", "tier_page_codec",
 ]
 
 
@@ -52,16 +53,42 @@ def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
     )
 
 
+def tier_page_codec(codec: PageCodec, entry: StorageTierConfig) -> PageCodec:
+    """The page codec of one tier: the config's, with the entry's codec chain (if any) built in.
+
+    The chain's keys derive here: ``aes-gcm`` from the stage's own ``key`` or the tenant key's
+    subkey for page encryption, each through HKDF with the namespace digest as salt.
+    """
+    if not entry.codec:
+        return codec
+    from .tiers.storage.codecs import build_chain
+
+    secret = codec.tenant_key.derive("page-aead") if codec.tenant_key is not None else None
+    try:
+        chain = build_chain(entry.codec, geometry=codec.geometry, namespace=codec.namespace, tenant_secret=secret)
+    except ImportError as exc:
+        raise ConfigError(
+            f"storage tier {entry.tier_name}: its codec needs {exc.name} (pip install 'hicache[codecs]')"
+        ) from exc
+    except ValueError as exc:
+        raise ConfigError(f"storage tier {entry.tier_name}: codec: {exc}") from exc
+    return dataclasses.replace(codec, chain=chain)
+
+
 def storage_tier_from_entry(
-    entry: StorageTierConfig, *, config: HiCacheConfig, codec: PageCodec, host: HostPool
+    entry: StorageTierConfig, *, config: HiCacheConfig, codec: PageCodec, host: HostPool | None
 ) -> StorageTier:
     """One ``StorageTier`` for a validated ``tiers.storage`` entry; its backend is built, not opened.
 
     Also what ``HiCache.attach_storage`` builds a tier with at runtime (bound to the cache's own
-    config, codec and host pool by the container).
+    config, codec and host pool by the container). ``host=None``: a tier whose every call names the
+    memory it reads and writes (an engine's own host pool, ``StorageTier``'s ``source``).
     """
     batch_pages = max(1, config.controller.storage_batch_bytes // config.page_bytes)
-    return StorageTier(entry.tier_name, resolve_backend(entry.kind)(**entry.options), codec, host, batch_pages=batch_pages)
+    return StorageTier(
+        entry.tier_name, resolve_backend(entry.kind)(**entry.options), tier_page_codec(codec, entry), host,
+        batch_pages=batch_pages,
+    )
 
 
 def storage_tiers_from_config(config: HiCacheConfig, codec: PageCodec, host: HostPool) -> list[StorageTier]:
@@ -92,7 +119,7 @@ def inspection_target(
     else:
         raise ConfigError(f"no storage tier named {tier!r} in the config (it has: {', '.join(names)})")
     cls = resolve_backend(entry.kind)
-    return entry, cls(**cls.inspection_options(entry.options)), page_codec_from_config(config)
+    return entry, cls(**cls.inspection_options(entry.options)), tier_page_codec(page_codec_from_config(config), entry)
 
 
 class Container(containers.DeclarativeContainer):
@@ -186,6 +213,7 @@ class Container(containers.DeclarativeContainer):
         storage_queue=config.provided.controller.storage_queue,
         max_prefetches=config.provided.controller.max_prefetches,
         alloc_wait_s=config.provided.controller.alloc_wait_s,
+        writes_storage=namespace.provided.writes_storage,
     )
 
     cache = providers.Singleton(HiCache, config, controller, namespace, build_storage_tier=storage_tier_builder)

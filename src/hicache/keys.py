@@ -5,6 +5,14 @@ seeded with a namespace digest built from everything that changes the bytes of t
 and revision, geometry, dtype, page size) plus an optional tenant salt. Two caches that disagree on
 any of these can never hand each other pages, even through a shared storage tier.
 
+Under tensor or pipeline parallelism the namespace also records which slice of the model a rank's
+pages hold (its KV heads, its layers): ranks never read each other's heads, and a page written at one
+layout is served at another only where the slice is the same. An MLA latent is the same on every TP
+rank: one rank writes it (``writes_storage``), all read it.
+
+An engine that names its pages itself (SGLang's chained page hashes) gets hicache keys with
+``external_page_keys``: the engine's name keyed by the namespace digest.
+
 With a ``tenant_key`` the seed is a keyed hash (``TenantKey``): nobody without the key can compute
 the key of any page, and the subkeys that name pages in storage and authenticate their contents
 (``page_format.PageCodec``) derive from the same secret.
@@ -27,7 +35,10 @@ from .errors import InvalidTokensError
 if TYPE_CHECKING:
     from .config import HiCacheConfig
 
-__all__ = ["Namespace", "TenantKey", "TokenBytes", "as_token_bytes", "chain_keys", "KEY_BYTES", "TOKEN_BYTES"]
+__all__ = [
+    "Namespace", "TenantKey", "TokenBytes", "as_token_bytes", "chain_keys", "external_page_keys", "variant_digest",
+    "KEY_BYTES", "TOKEN_BYTES",
+]
 
 KEY_BYTES = 16
 TOKEN_BYTES = 8  # int64 token ids
@@ -87,10 +98,17 @@ class Namespace:
     page_size: int
     tenant_salt: str = ""
     tenant_key: TenantKey | None = field(default=None, repr=False)
+    # The parallel layout: ``num_layers`` and ``num_kv_heads`` above are what this rank holds.
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    first_layer: int = 0  # the model layer this stage's first layer is
+    total_kv_heads: int | None = None  # over all TP ranks; None: num_kv_heads * tp_size
 
     @classmethod
     def from_config(cls, config: HiCacheConfig) -> Namespace:
-        m = config.model
+        m, p = config.model, config.parallel
         return cls(
             model=m.name,
             revision=m.revision,
@@ -102,7 +120,56 @@ class Namespace:
             page_size=config.page_size,
             tenant_salt=config.tenant_salt,
             tenant_key=None if config.tenant_key is None else TenantKey(config.tenant_key.get_secret_value()),
+            tp_rank=p.tp_rank,
+            tp_size=p.tp_size,
+            pp_rank=p.pp_rank,
+            pp_size=p.pp_size,
+            first_layer=p.pp_rank * m.num_layers if p.first_layer is None else p.first_layer,
+            total_kv_heads=p.total_kv_heads,
         )
+
+    @property
+    def kv_head_range(self) -> tuple[int, int, int] | None:
+        """``(first, end, total)``: the model's KV heads this rank holds; ``None`` for MLA (one latent, every rank).
+
+        Heads are split in rank order; with fewer KV heads than ranks, ``tp_size / total`` consecutive
+        ranks hold the same head (as SGLang's and vLLM's QKV projections replicate them).
+        """
+        if self.attention == "mla":
+            return None
+        total = self.total_kv_heads or self.num_kv_heads * self.tp_size
+        if total >= self.tp_size:
+            first = self.tp_rank * self.num_kv_heads
+        else:
+            first = self.tp_rank // (self.tp_size // total)
+        return first, first + self.num_kv_heads, total
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        """``(first, end)``: the model layers this pipeline stage holds."""
+        return self.first_layer, self.first_layer + self.num_layers
+
+    @property
+    def writes_storage(self) -> bool:
+        """Whether this rank writes shared storage. Pages that several ranks hold alike (an MLA latent,
+        a replicated KV head) are written by the first of those ranks only; all of them read."""
+        if self.attention == "mla":
+            return self.tp_rank == 0
+        heads = self.kv_head_range
+        assert heads is not None
+        total = heads[2]
+        return total >= self.tp_size or self.tp_rank % (self.tp_size // total) == 0
+
+    def _slice_fields(self) -> tuple[object, ...]:
+        """The parallel slice, in the digest only when it is not the whole model (so digests of
+        single-rank caches are what they always were)."""
+        out: tuple[object, ...] = ()
+        heads = self.kv_head_range
+        if heads is not None and (heads[0] != 0 or heads[1] != heads[2]):
+            out += ("kv-heads", *heads)
+        if self.first_layer != 0:
+            out += ("layers", *self.layer_range)
+        return out
 
     @property
     def digest(self) -> bytes:
@@ -120,12 +187,37 @@ class Namespace:
                 self.dtype,
                 self.page_size,
                 self.tenant_salt,
+                *self._slice_fields(),
             )
         )
         if self.tenant_key is None:
             return hashlib.blake2b(fields.encode(), digest_size=KEY_BYTES).digest()
         seed_key = self.tenant_key.derive("chain-seed")
         return hashlib.blake2b(fields.encode(), key=seed_key, digest_size=KEY_BYTES).digest()
+
+
+def variant_digest(digest: bytes, variant: str) -> bytes:
+    """The namespace digest of a storage variant of ``digest`` (pages written through a codec chain).
+
+    Pages stored through a codec chain (quantised, compressed, encrypted) are interchangeable only
+    with pages of the same chain: their storage names and header namespace field derive from this
+    digest, so a reader that asked for exact KV never meets a quantised page under its names.
+    """
+    return hashlib.blake2b(variant.encode(), key=digest, person=b"hicache-variant", digest_size=KEY_BYTES).digest()
+
+
+def external_page_keys(seed: bytes, names: Sequence[str | bytes]) -> list[bytes]:
+    """hicache page keys for pages an engine names itself (SGLang's 64-hex page hashes).
+
+    Each name is keyed by ``seed`` (the namespace digest), so one engine name in two namespaces
+    (another model, rank slice, page order or tenant) is two different pages. The names must
+    already stand for the page's whole prefix (chained hashes): hicache does not chain them.
+    """
+    out = []
+    for name in names:
+        raw = name.encode() if isinstance(name, str) else bytes(name)
+        out.append(hashlib.blake2b(raw, key=seed, digest_size=KEY_BYTES, person=b"hicache-extkey").digest())
+    return out
 
 
 _INT_DTYPES = frozenset(

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .tiers.storage.base import StorageBackendStats
 
 __all__ = [
-    "CacheStats", "Counters", "HistogramSnapshot", "LATENCY_BUCKETS_S", "LATENCIES", "LatencyHistogram",
+    "CacheStats", "CodecStats", "Counters", "HistogramSnapshot", "LATENCY_BUCKETS_S", "LATENCIES", "LatencyHistogram",
     "StorageTierStats", "TierStats", "TRANSFER_DIRECTIONS",
 ]
 
@@ -105,6 +105,34 @@ class TierStats:
 
 
 @dataclass(frozen=True)
+class CodecStats:
+    """What a storage tier's codec chain did: pages and bytes through it each way, and its time.
+
+    ``*_logical_bytes`` are bytes of KV, ``*_stored_bytes`` what the chain made of them (what
+    the backend moved); ``*_seconds`` add up the time of every page's encode or decode (in worker
+    threads, several at once: CPU seconds, roughly, not wall time). ``failed_pages``: pages that did
+    not decode (corrupt frame, failed decryption, foreign codec): misses, counted in
+    ``corrupt_pages`` too.
+    """
+
+    stages: tuple[str, ...] = ()
+    encoded_pages: int = 0
+    encoded_logical_bytes: int = 0
+    encoded_stored_bytes: int = 0
+    encode_seconds: float = 0.0
+    decoded_pages: int = 0
+    decoded_logical_bytes: int = 0
+    decoded_stored_bytes: int = 0
+    decode_seconds: float = 0.0
+    failed_pages: int = 0
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the chain kept off the backend on writes (negative if it added some)."""
+        return self.encoded_logical_bytes - self.encoded_stored_bytes
+
+
+@dataclass(frozen=True)
 class StorageTierStats:
     """One storage tier: what the cache did with it, and its backend's own figures.
 
@@ -123,6 +151,7 @@ class StorageTierStats:
     backend: StorageBackendStats
     miss_tokens: int = 0  # tokens retrieves asked of this tier (beyond memory and the tiers above) it did not supply
     position: int = 0  # place in the storage chain, 0 = fastest (probed first)
+    codec: CodecStats = field(default_factory=CodecStats)  # the tier's codec chain (empty: none)
 
 
 @dataclass(frozen=True)

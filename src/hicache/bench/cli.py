@@ -1,4 +1,4 @@
-"""``hicache bench multiturn|long-context|vllm``: run the configurations on one trace, compare them.
+"""``hicache bench multiturn|long-context|vllm|vllm-overhead``: run the configurations on one trace, compare them.
 
 Each configuration runs in its own process (``hicache.bench.worker``), in the order given (with
 ``--repeat N``, N times in alternating order: ``repeats.py``); the parent prints the table,
@@ -37,6 +37,8 @@ from .report import (
 from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing
 from .vllm_bench import add_parser as add_vllm_parser
 from .vllm_bench import run_vllm_benchmark
+from .vllm_overhead import add_parser as add_vllm_overhead_parser
+from .vllm_overhead import run_overhead_benchmark
 from .worker import RunSpec
 from .workloads import LongContext, MultiTurn
 
@@ -98,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-length", type=int, default=LongContext.output_len)
     _common(lc)
     add_vllm_parser(sub)  # `hicache bench vllm`: the same multi-turn trace through vLLM (vllm_bench.py)
+    add_vllm_overhead_parser(sub)  # `hicache bench vllm-overhead`: the connector's cost when nothing hits
     return parser
 
 
@@ -155,14 +158,16 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("--interleave needs --sequential (configurations take turns one request at a time)")
         if "warm-restart" in configs or args.profile or args.metrics:
             raise SystemExit("--interleave runs without warm-restart (it needs a fresh process), --profile and --metrics")
-    if args.metrics and importlib.util.find_spec("prometheus_client") is None:
-        raise SystemExit("--metrics needs prometheus-client: pip install 'hicache[metrics]'")
+    if args.metrics and any(importlib.util.find_spec(m) is None for m in ("prometheus_client", "h11")):
+        raise SystemExit("--metrics needs prometheus-client and h11: pip install 'hicache[metrics]'")
     out = Path(args.out or f"bench-results/{args.benchmark}-{args.model}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     base = base_spec(args, out)
     workload = base.make_workload()
     print(f"hicache bench {args.benchmark}: model {args.model} ({MODELS[args.model].description})", file=sys.stderr)
     print(f"  workload {workload}; {workload.requests} requests, {workload.kv_tokens():,} tokens of KV", file=sys.stderr)
+    # With `lossy` and `no-cache` both in the run: their first-token logits, to compare (lossy_figures).
+    lossy_pair = {"lossy", "no-cache"} if {"lossy", "no-cache"} <= set(configs) and not args.interleave else set()
     orders = run_order(configs, args.repeat)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     for k, order in enumerate(orders):
@@ -174,7 +179,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 runs[name].append(together[name])
             continue
         for name in order:
-            spec = RunSpec(**{**asdict(base), "configuration": name})
+            spec = RunSpec(**{**asdict(base), "configuration": name, "first_logits": name in lossy_pair})
             runs[name].append(_run_worker(spec))
     results = {name: pool(rs) for name, rs in runs.items()}
     summaries = {name: summarise_runs(rs) for name, rs in runs.items()}
@@ -186,6 +191,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for name, rs in runs.items():
         summaries[name]["outputs_differ_from_" + configs[0]] = sum(
             1 for r in rs for k, v in outputs_of(r["records"]).items() if reference.get(k) != v)
+    if lossy_pair:
+        summaries["lossy"].update(lossy_figures(runs, out))
     repeats = per_repeat(runs, orders) if args.repeat > 1 else []
     tiers = sorted({t for s in summaries.values() for t in s["hit_rate_by_tier"]}, key=_tier_order)
     report = {
@@ -230,6 +237,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print()
     print("hit rate per round:")
     print(format_rounds(summaries))
+    if lossy_pair:
+        lossy = summaries["lossy"]
+        print(f"lossy (int8 KV on the file tier) against no-cache: greedy outputs identical on "
+              f"{lossy['greedy_agreement_with_no_cache']:.1%} of {lossy['requests']} requests (target >= 95%); "
+              f"first-token logits |lossy - no-cache| mean {lossy['first_token_logit_mean_abs_diff']:.4f}, "
+              f"max {lossy['first_token_logit_max_abs_diff']:.4f} over {lossy['first_token_logit_requests']} "
+              f"requests with the same prompt")
     for name, s in summaries.items():
         differ = s["outputs_differ_from_" + configs[0]]
         if differ:
@@ -253,6 +267,29 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     else:
         print(f"\nwrote {out / 'results.json'}")
     return report
+
+
+def lossy_figures(runs: dict[str, list[dict[str, Any]]], out: Path) -> dict[str, Any]:
+    """Greedy-output agreement of ``lossy`` with ``no-cache`` over the trace (every repeat), and the
+    mean and max absolute first-token logit difference over the requests whose prompts match."""
+    import torch
+
+    reference = [outputs_of(r["records"]) for r in runs["no-cache"]]
+    same = total = 0
+    for i, run in enumerate(runs["lossy"]):
+        ref = reference[min(i, len(reference) - 1)]
+        for key, output in outputs_of(run["records"]).items():
+            total += 1
+            same += ref.get(key) == output
+    exact = torch.load(out / "first-logits-no-cache.pt")
+    lossy = torch.load(out / "first-logits-lossy.pt")
+    diffs = [(lossy[k] - exact[k]).abs() for k in lossy.keys() & exact.keys()]
+    return {
+        "greedy_agreement_with_no_cache": same / total if total else float("nan"),
+        "first_token_logit_mean_abs_diff": float(torch.stack([d.mean() for d in diffs]).mean()) if diffs else float("nan"),
+        "first_token_logit_max_abs_diff": float(max(d.max() for d in diffs)) if diffs else float("nan"),
+        "first_token_logit_requests": len(diffs),
+    }
 
 
 def _avg60(p: dict[str, float] | None) -> str:
@@ -299,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.benchmark == "vllm":
         run_vllm_benchmark(args)
+    elif args.benchmark == "vllm-overhead":
+        run_overhead_benchmark(args)
     else:
         run_benchmark(args)
     return 0

@@ -143,6 +143,9 @@ def check_targets(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
         met = value >= float(bound) if op == ">=" else value <= float(bound)
         out[key] = {"value": value, "target": target, "met": met}
 
+    lossy = summaries.get("lossy", {})
+    if "greedy_agreement_with_no_cache" in lossy:
+        add("lossy_greedy_agreement_with_no_cache", lossy["greedy_agreement_with_no_cache"], ">= 0.95")
     hier, none, dev, warm = ttft("hierarchical"), ttft("no-cache"), ttft("device-only"), ttft("warm-restart")
     oracle = ttft("oracle")
     if hier is not None:

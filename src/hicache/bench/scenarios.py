@@ -8,6 +8,9 @@
 * ``hierarchical``: device + host + file tier.
 * ``warm-restart``: ``hierarchical``'s config in a fresh process that finds only the file tier
   the ``hierarchical`` run left.
+* ``lossy``: ``hierarchical`` with the 8-bit codec (``codec: [int8]``) on its file tier, in a
+  folder of its own: what quantised KV from storage does to the outputs (greedy agreement with
+  ``no-cache``, first-token logit differences: ``hicache bench`` prints them when both run).
 
 The device holds ``device_fraction`` (25%) of the workload's KV, as in production, where the
 history outgrows GPU memory; the host ``host_fraction`` (50%); the file tier all of it.
@@ -22,9 +25,11 @@ from typing import Any
 from ..config import HiCacheConfig, load_config
 from ..integrations.transformers import model_overrides
 
-__all__ = ["CONFIGURATIONS", "DEFAULT_CONFIGURATIONS", "UNCACHED", "Sizing", "cache_config", "device_tokens"]
+__all__ = [
+    "CONFIGURATIONS", "DEFAULT_CONFIGURATIONS", "UNCACHED", "Sizing", "cache_config", "device_tokens", "lossy_pages_dir",
+]
 
-CONFIGURATIONS = ("no-cache", "oracle", "device-only", "memory", "hierarchical", "warm-restart")
+CONFIGURATIONS = ("no-cache", "oracle", "device-only", "memory", "hierarchical", "warm-restart", "lossy")
 DEFAULT_CONFIGURATIONS = ("no-cache", "oracle", "device-only", "hierarchical", "warm-restart")
 UNCACHED = ("no-cache", "oracle")  # configurations without hicache
 
@@ -34,6 +39,11 @@ class Sizing:
     device_fraction: float = 0.25
     host_fraction: float = 0.5
     storage_fraction: float = 4.0  # the file tier's capacity: room for everything, several times over
+
+
+def lossy_pages_dir(pages_dir: str) -> str:
+    """The ``lossy`` configuration's file tier: beside ``hierarchical``'s, never mixed with it."""
+    return pages_dir.rstrip("/") + "-lossy"
 
 
 def device_tokens(kv_tokens: int, sizing: Sizing, page_size: int) -> int:
@@ -66,6 +76,9 @@ def cache_config(
         for tier in storage:
             if tier["kind"] == "file":
                 tier["capacity"] = pages(sizing.storage_fraction)
+                if name == "lossy":
+                    tier["codec"] = ["int8"]
+                    tier["path"] = lossy_pages_dir(pages_dir)
         tiers |= {"host": {"capacity": pages(sizing.host_fraction)}, "storage": storage}
     overrides = model_overrides(model) | {"tiers": tiers}
     return load_config(base, overrides=overrides, env=env)

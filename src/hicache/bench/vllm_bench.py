@@ -7,7 +7,11 @@
   (50%) of the workload's KV, and a file tier below (room for all of it).
 
 Each configuration runs in its own process (``hicache.bench.vllm_worker``), SmolLM2-135M in fp32,
-greedy, one after the other on the same trace. TTFT comes from vLLM's request metrics
+greedy, one after the other on the same trace. In vLLM's multi-process mode (``--vllm-mode multi``)
+its CPU worker reserves one core more when any KV connector is configured
+(``vllm/utils/ompmultiprocessing.py``), which on a small machine gives ``vllm+hicache`` more cores to
+compute on than ``vllm``; every configuration therefore runs with the same
+``VLLM_CPU_NUM_OF_RESERVED_CPU`` (``--reserved-cpus``, default 1: what vLLM reserves for vLLM alone). TTFT comes from vLLM's request metrics
 (``first_token_latency``: arrival to first token, queueing included). The hit rate is the share
 of prompt tokens vLLM did not compute, split into vLLM's own prefix cache and what the connector
 loaded from each hicache tier. Needs vLLM (``make bench-vllm`` runs it from .venv-vllm).
@@ -32,7 +36,7 @@ from .models import smollm2_dir
 from .report import format_rounds, format_table, outputs_of, plot, summarise
 from .workloads import MultiTurn
 
-__all__ = ["CONFIGURATIONS", "add_parser", "run_vllm_benchmark"]
+__all__ = ["CONFIGURATIONS", "add_parser", "add_vllm_process_arguments", "run_vllm_benchmark", "run_worker", "vllm_env"]
 
 CONFIGURATIONS = ("vllm", "vllm+hicache")
 
@@ -60,10 +64,30 @@ def add_parser(sub: Any) -> None:
                    help="hicache's staging device pool (default: max_model_len + one block); taken from the "
                         "--host-fraction budget")
     g.add_argument("--block-size", type=int, default=128, help="vLLM's block size (the CPU backend: multiples of 32)")
-    g.add_argument("--vllm-mode", choices=["single", "multi"], default="single",
-                   help="single: one process; multi: vLLM's default engine-core and worker processes")
+    add_vllm_process_arguments(g)
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_vllm_process_arguments(g: Any) -> None:
+    g.add_argument("--vllm-mode", choices=["single", "multi"], default="single",
+                   help="single: one process; multi: vLLM's default engine-core and worker processes")
+    g.add_argument("--reserved-cpus", type=int, default=1,
+                   help="multi: VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration (vLLM reserves one core "
+                        "more when a KV connector is configured; the same value on all sides keeps the cores equal)")
+
+
+def vllm_env(mode: str, reserved_cpus: int) -> dict[str, str]:
+    """The environment of a configuration's process: the same for vLLM alone and vLLM + hicache."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("OMP_NUM_THREADS", str(min(os.cpu_count() or 1, 2)))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it overrides kv_cache_memory_bytes
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if mode == "single" else "1"
+    if mode == "multi":
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved_cpus)
+    return env
 
 
 def default_config_path() -> str:
@@ -134,6 +158,7 @@ def _spec(args: argparse.Namespace, name: str, workload: MultiTurn, sizes: dict[
                      "output_len": workload.output_len, "seed": workload.seed},
         "connector": connector,
         "vllm_mode": args.vllm_mode,
+        "reserved_cpus": args.reserved_cpus,
         "block_size": args.block_size,
         "max_model_len": sizes["max_model_len"],
         "kv_cache_bytes": sizes["kv_cache_bytes"],
@@ -145,15 +170,12 @@ def _spec(args: argparse.Namespace, name: str, workload: MultiTurn, sizes: dict[
     }
 
 
-def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one configuration in a fresh process (``hicache.bench.vllm_worker``); its result."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out_path = f.name
     try:
-        env = dict(os.environ)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        env.setdefault("OMP_NUM_THREADS", str(min(os.cpu_count() or 1, 2)))
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if spec["vllm_mode"] == "single" else "1"
+        env = vllm_env(spec["vllm_mode"], spec.get("reserved_cpus", 1))
         proc = subprocess.run([sys.executable, "-m", "hicache.bench.vllm_worker", out_path],
                               input=json.dumps(spec), text=True, env=env, check=False)
         if proc.returncode != 0:
@@ -187,7 +209,8 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     geo = _geometry(smollm2_dir())
     sizes = _sizes(args, workload, geo)
-    print(f"hicache bench vllm: SmolLM2-135M-Instruct fp32, vLLM {args.vllm_mode}-process, block {args.block_size}",
+    cores = f", VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every configuration" if args.vllm_mode == "multi" else ""
+    print(f"hicache bench vllm: SmolLM2-135M-Instruct fp32, vLLM {args.vllm_mode}-process{cores}, block {args.block_size}",
           file=sys.stderr)
     print(f"  workload {workload}; {workload.requests} requests, {sizes['kv_tokens']:,} tokens of KV; vLLM KV "
           f"{sizes['vllm_kv_tokens']:,} tokens ({sizes['vllm_kv_tokens'] / sizes['kv_tokens']:.0%}); hicache staging "
@@ -195,7 +218,7 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
           f"({(sizes['staging_tokens'] + sizes['host_tokens']) / sizes['kv_tokens']:.0%}) + file tier", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
     for name in configs:
-        results[name] = _run_worker(_spec(args, name, workload, sizes, out))
+        results[name] = run_worker(_spec(args, name, workload, sizes, out))
     summaries = {name: summarise(r["records"], r["wall_s"]) for name, r in results.items()}
     reference = outputs_of(results[configs[0]]["records"])
     for name, r in results.items():
@@ -210,7 +233,8 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                      "output_len": workload.output_len, "seed": workload.seed},
         "driver": {"max_parallel": args.max_parallel, "ready_queue": args.ready_queue_policy, "seed": args.seed},
         "sizes": sizes,
-        "vllm": {"mode": args.vllm_mode, "block_size": args.block_size, "max_num_seqs": args.max_running},
+        "vllm": {"mode": args.vllm_mode, "block_size": args.block_size, "max_num_seqs": args.max_running,
+                 "reserved_cpus": args.reserved_cpus if args.vllm_mode == "multi" else None},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "cpu_pressure": _cpu_pressure()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

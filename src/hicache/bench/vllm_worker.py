@@ -73,6 +73,7 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
     workload = MultiTurn(**spec["workload"])
     conversations = workload.conversations(vocab)
     _warm_up(llm, vocab)
+    cpu_before = _tree_cpu_seconds()
     channel = None
     if spec["connector"] is not None:
         from ..integrations.vllm import ChannelClient, socket_path
@@ -115,6 +116,7 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
             if bar is not None:
                 bar.update(1)
     wall = time.perf_counter() - started
+    cpu_after = _tree_cpu_seconds()
     if bar is not None:
         bar.close()
     stats = None
@@ -129,9 +131,30 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
         "wall_s": wall,
         "records": [asdict(r) for r in records],
         "cache_stats": stats,
+        "cpu_s": {k: cpu_after.get(k, 0.0) - v for k, v in cpu_before.items()},
         "vllm": {"kv_cache_bytes": spec["kv_cache_bytes"], "block_size": spec["block_size"],
-                 "max_model_len": spec["max_model_len"], "mode": spec["vllm_mode"]},
+                 "max_model_len": spec["max_model_len"], "mode": spec["vllm_mode"],
+                 "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")},
     }
+
+
+def _tree_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) of this process and of vLLM's processes under it, by role."""
+    import psutil
+
+    out: dict[str, float] = {}
+    me = psutil.Process()
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            t = proc.cpu_times()
+            title = proc.name()
+            name = ("driver" if proc.pid == me.pid else "worker" if "Worker" in title
+                    else "engine_core" if "Engine" in title else "other")
+        except psutil.Error:
+            continue
+        out[name] = out.get(name, 0.0) + t.user + t.system
+    out["total"] = sum(out.values())
+    return out
 
 
 def _record(rid: str, conv: Any, round_: int, prompt: list[int], ideal: int, arrival: float, finished: float,
@@ -173,7 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     Path(argv[0]).write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()
+    _kill_children()  # multi-process mode: vLLM's engine core and worker would outlive os._exit
     os._exit(0)  # the results are written; skip vLLM's slow interpreter teardown
+
+
+def _kill_children() -> None:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from .driver import DriverSettings, drive
 from .models import load_model
 from .oracle import OracleLM
 from .profiling import ActivityTrace, cpu_pressure, install_trace, process_times, thread_times, torch_profile
-from .scenarios import Sizing, cache_config, device_tokens
+from .scenarios import Sizing, cache_config, device_tokens, lossy_pages_dir
 from .workloads import LongContext, MultiTurn
 
 __all__ = ["RunSpec", "run_configuration"]
@@ -56,6 +56,7 @@ class RunSpec:
     yield_to_prefills: bool = True  # the cache's background work waits while a prefill computes
     metrics: bool = False  # write the run's Prometheus metrics to ``metrics-<configuration>.prom``
     interleave: list[str] = field(default_factory=list)  # these configurations in one process, taking turns
+    first_logits: bool = False  # save each request's first-token logits to ``first-logits-<configuration>.pt``
 
     def make_workload(self) -> MultiTurn | LongContext:
         kind = MultiTurn if self.benchmark == "multiturn" else LongContext
@@ -96,6 +97,8 @@ class _Setup:
     def cache_config(self, spec: RunSpec, name: str) -> Any:
         if name == "hierarchical":
             shutil.rmtree(spec.pages_dir, ignore_errors=True)  # starts cold; warm-restart then finds it
+        if name == "lossy":
+            shutil.rmtree(lossy_pages_dir(spec.pages_dir), ignore_errors=True)
         return cache_config(name, self.model, self.workload.kv_tokens(), Sizing(**spec.sizing), spec.config_path,
                             spec.pages_dir)
 
@@ -126,9 +129,13 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
 
     exporter = _MetricsExport(spec) if spec.metrics else None
 
+    tap = FirstLogits() if spec.first_logits else None
+
     async def serve(cache: HiCache | None) -> tuple[list[Any], float]:
         nonlocal oracle
         lm, oracle = setup.language_model(spec, spec.configuration, cache)
+        if tap is not None:
+            lm = tap.wrap(lm)
         started = time.perf_counter()
         on_result = None
         if exporter is not None:
@@ -161,6 +168,8 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
     _machine_after(machine, times)
     if bar is not None:
         bar.close()
+    if tap is not None:
+        tap.save(Path(spec.out_dir) / f"first-logits-{spec.configuration}.pt")
     return {
         "configuration": spec.configuration,
         "wall_s": wall,
@@ -171,6 +180,55 @@ async def run_configuration(spec: RunSpec) -> dict[str, Any]:
         "oracle": _oracle_figures(oracle),
         "profile": {"torch": profile.result, "activity": trace.summary()} if spec.profile else None,
     }
+
+
+class FirstLogits:
+    """Keeps each request's first-token logits (the prefill's last position), by prompt.
+
+    Wraps a language model's ``sequence``: after ``prefill`` it copies ``seq.logits``. Keyed by a
+    hash of the prompt's tokens, so two configurations' logits are compared only where their
+    prompts are the same (a multi-turn prompt holds the earlier outputs).
+    """
+
+    def __init__(self) -> None:
+        self.logits: dict[str, torch.Tensor] = {}
+
+    def wrap(self, lm: Any) -> Any:
+        from contextlib import asynccontextmanager
+
+        tap = self
+
+        class Tapped:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(lm, name)
+
+            @asynccontextmanager
+            async def sequence(self, tokens: Any, **kwargs: Any) -> Any:
+                async with lm.sequence(tokens, **kwargs) as seq:
+                    yield _TappedSequence(seq, tap, tokens)
+
+        return Tapped()
+
+    def save(self, path: Path) -> None:
+        torch.save(self.logits, path)
+
+
+class _TappedSequence:
+    def __init__(self, seq: Any, tap: FirstLogits, tokens: Any) -> None:
+        self._seq, self._tap = seq, tap
+        import hashlib
+
+        self._key = hashlib.blake2b(torch.as_tensor(list(tokens), dtype=torch.int64).numpy().tobytes(),
+                                    digest_size=16).hexdigest()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._seq, name)
+
+    async def prefill(self) -> int:
+        token = await self._seq.prefill()
+        if getattr(self._seq, "logits", None) is not None:
+            self._tap.logits[self._key] = self._seq.logits.detach().float().clone()
+        return token
 
 
 async def run_interleaved(spec: RunSpec) -> dict[str, dict[str, Any]]:

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print JSON for machines instead of a table")
         p.add_argument("--quiet", action="store_true", help="no progress bars")
 
-    common(sub.add_parser("summary", help="pages, bytes, namespaces, ages, capacity used"))
+    common(sub.add_parser("summary", help="pages, bytes, namespaces, codecs, bytes saved, ages, capacity used"))
+    common(sub.add_parser("pages", help="every page: its codec chain, stored bytes and bytes saved"))
     verify = sub.add_parser("verify", help="read every page and check header and checksum (or MAC)")
     common(verify)
     verify.add_argument("--repair", action="store_true", help="remove the corrupt pages found")
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace) -> object:
     from ..config import load_config
     from ..containers import inspection_target
+    from .pages import list_page_lines
     from .purge import purge
     from .summary import summarize
     from .verify import verify
@@ -54,6 +56,8 @@ async def _run(args: argparse.Namespace) -> object:
     async with backend:
         if args.verb == "summary":
             return await summarize(backend, codec, config, entry.tier_name, quiet=args.quiet)
+        if args.verb == "pages":
+            return await list_page_lines(backend, codec, entry.tier_name, quiet=args.quiet)
         if args.verb == "verify":
             return await verify(backend, codec, entry.tier_name, repair=args.repair, quiet=args.quiet)
         return await purge(

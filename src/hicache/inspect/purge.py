@@ -24,6 +24,9 @@ class PurgeReport:
     selected_bytes: int
     removed: int
     dry_run: bool
+    #: Entries listed under a page's name that are not pages (a FIFO, a link: no size, no age). An
+    #: age cannot select them: they are left to ``verify --repair``, which removes them.
+    not_pages: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -31,8 +34,13 @@ class PurgeReport:
     def table(self) -> str:
         what = f"{self.selected} of {self.pages} pages ({format_size(self.selected_bytes)})"
         if self.dry_run:
-            return f"storage tier {self.tier} ({self.kind}): would remove {what}; run again with --yes to remove them"
-        return f"storage tier {self.tier} ({self.kind}): removed {what}"
+            line = f"storage tier {self.tier} ({self.kind}): would remove {what}; run again with --yes to remove them"
+        else:
+            line = f"storage tier {self.tier} ({self.kind}): removed {what}"
+        if self.not_pages:
+            line += (f"\nskipped {self.not_pages} entries that are not pages (not regular files: no age); "
+                     "`verify --repair` removes them")
+        return line
 
 
 async def purge(
@@ -61,7 +69,12 @@ async def purge(
     now = time.time() if now is None else now
     pages = await list_all(backend, quiet=quiet)
     listed = len(pages)
+    not_pages = 0
     if older_than_s is not None:
+        # An entry with no size is not a page (the file tier lists a FIFO or a link so): it has no
+        # age either, and must not make the backend look as if it kept none.
+        not_pages = sum(p.size is None for p in pages)
+        pages = [p for p in pages if p.size is not None]
         if any(p.last_used is None for p in pages):
             raise ConfigError(
                 f"the {backend.kind} backend keeps no last-use time for its pages: --older-than cannot be used here"
@@ -71,7 +84,7 @@ async def purge(
         pages = await _of_namespace(backend, codec, pages, namespace, quiet)
     report = PurgeReport(
         tier=tier, kind=backend.kind, pages=listed, selected=len(pages),
-        selected_bytes=sum(p.size or 0 for p in pages), removed=0, dry_run=dry_run,
+        selected_bytes=sum(p.size or 0 for p in pages), removed=0, dry_run=dry_run, not_pages=not_pages,
     )
     if not dry_run:
         with progress(len(pages), "removing", quiet) as bar:

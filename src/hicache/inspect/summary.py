@@ -22,8 +22,10 @@ class Group:
     label: str  # "this config (model ...)", "another namespace", "not a hicache page"
     version: int | None
     shape: str
+    codecs: str = "-"  # the codec chain the pages were written through ("-": none)
     pages: int = 0
     bytes: int = 0
+    saved_bytes: int = 0  # logical KV bytes minus stored bytes (what the codecs kept off the store)
     oldest_use: float | None = None  # Unix time of the least recent use among them
     newest_use: float | None = None
 
@@ -54,13 +56,15 @@ class Summary:
             lines.append(f"last used: oldest {_ago(now - self.oldest_use)} ago, newest {_ago(now - self.newest_use)} ago")
         elif not self.ages_known:
             lines.append("last used: not kept by this backend")
-        header = f"{'namespace':<14} {'format':>6}  {'geometry':<24} {'pages':>8} {'bytes':>10}  {'oldest use':>10}  what"
+        header = (f"{'namespace':<14} {'format':>6}  {'geometry':<24} {'codec':<22} {'pages':>8} {'bytes':>10} "
+                  f"{'saved':>10}  {'oldest use':>10}  what")
         lines += ["", header, "-" * len(header)]
         for g in sorted(self.groups, key=lambda g: -g.pages):
             oldest = _ago(now - g.oldest_use) if g.oldest_use is not None else "-"
+            saved = format_size(g.saved_bytes) if g.saved_bytes >= 0 else "-" + format_size(-g.saved_bytes)
             lines.append(
                 f"{(g.namespace[:12] or '-'):<14} {g.version if g.version is not None else '-':>6}  {g.shape:<24} "
-                f"{g.pages:>8} {format_size(g.bytes):>10}  {oldest:>10}  {g.label}"
+                f"{g.codecs:<22} {g.pages:>8} {format_size(g.bytes):>10} {saved:>10}  {oldest:>10}  {g.label}"
             )
         return "\n".join(lines)
 
@@ -86,21 +90,27 @@ async def summarize(
             for page, raw in zip(run, await backend.read_headers(run), strict=True):
                 info = parse_header(raw) if raw is not None else None
                 if info is None:
-                    key = ("", None, "-")
+                    key = ("", None, "-", "-")
                     label = "not a hicache page (or unreadable)"
                 else:
-                    key = (info.namespace.hex(), info.version, info.shape)
+                    key = (info.namespace.hex(), info.version, info.shape, ",".join(info.codecs) or "-")
                     if info.namespace == ours and info.version == codec.version:
                         label = f"this config ({model})"
                     elif info.version == 2:
                         label = "keyed: another tenant key or model"
+                    elif info.version == 4:
+                        label = "keyed: another tenant key, model or codec chain"
+                    elif info.codecs:
+                        label = "another codec chain, model, geometry or tenant_salt"
                     else:
                         label = "another model, revision, geometry or tenant_salt"
                 g = groups.get(key)
                 if g is None:
-                    g = groups[key] = Group(namespace=key[0], label=label, version=key[1], shape=key[2])
+                    g = groups[key] = Group(namespace=key[0], label=label, version=key[1], shape=key[2], codecs=key[3])
                 g.pages += 1
                 g.bytes += page.size or 0
+                if info is not None and info.logical_bytes is not None:
+                    g.saved_bytes += info.logical_bytes - info.payload_bytes
                 if page.last_used is not None:
                     g.oldest_use = page.last_used if g.oldest_use is None else min(g.oldest_use, page.last_used)
                     g.newest_use = page.last_used if g.newest_use is None else max(g.newest_use, page.last_used)

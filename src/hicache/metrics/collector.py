@@ -49,6 +49,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "storage_backend_errors": ("counter", ("tier", "kind"), "Backend calls that raised"),
     "storage_backend_timeouts": ("counter", ("tier", "kind"), "Backend calls that exceeded timeout_s"),
     "storage_backend_call_seconds": ("histogram", ("tier", "kind", "verb"), "Latency of every backend call, per verb"),
+    "storage_codec_pages": ("counter", ("tier", "kind", "direction"), "Pages through the tier's codec chain (encode, decode)"),
+    "storage_codec_bytes": ("counter", ("tier", "kind", "direction", "form"), "Bytes through the codec chain: logical (KV) and stored, per direction"),
+    "storage_codec_seconds": ("counter", ("tier", "kind", "direction"), "Time encoding or decoding pages (summed over worker threads)"),
+    "storage_codec_failed_pages": ("counter", ("tier", "kind"), "Pages that failed to decode or decrypt (misses)"),
     # the cache
     "bytes_moved": ("counter", ("direction",), "Bytes moved per boundary (user/device/host/storage)"),
     "lookups": ("counter", (), "lookup calls"),
@@ -184,6 +188,17 @@ class HiCacheCollector(Collector):
             add("storage_backend_timeouts", b.timeouts, tier, kind)
             for verb, h in b.latencies.items():
                 add_histogram("storage_backend_call_seconds", h, tier, kind, verb)
+            c = s.codec
+            if c.stages:
+                add("storage_codec_pages", c.encoded_pages, tier, kind, "encode")
+                add("storage_codec_pages", c.decoded_pages, tier, kind, "decode")
+                add("storage_codec_bytes", c.encoded_logical_bytes, tier, kind, "encode", "logical")
+                add("storage_codec_bytes", c.encoded_stored_bytes, tier, kind, "encode", "stored")
+                add("storage_codec_bytes", c.decoded_logical_bytes, tier, kind, "decode", "logical")
+                add("storage_codec_bytes", c.decoded_stored_bytes, tier, kind, "decode", "stored")
+                add("storage_codec_seconds", c.encode_seconds, tier, kind, "encode")
+                add("storage_codec_seconds", c.decode_seconds, tier, kind, "decode")
+                add("storage_codec_failed_pages", c.failed_pages, tier, kind)
         for direction, n in stats.bytes_moved.items():
             add("bytes_moved", n, direction)
         for name, value in (

@@ -21,8 +21,13 @@ exposes an HTTP port for metrics to its operators (and Prometheus), the attach/d
 run on the cache's event loop, and an HTTP request is something any deployment tool can send.
 ``hicache admin`` is a thin client of these routes.
 
-Requests are bounded (request line and headers 16 KiB, bodies 64 KiB, 10 s to send them) and
-answered with ``Connection: close``; a malformed request gets a 400 and never reaches the cache.
+HTTP/1.1 is parsed by h11 (the sans-IO parser under httpcore and uvicorn) over the anyio stream.
+Requests are bounded (request line and headers 16 KiB however the bytes arrive, bodies 64 KiB, JSON
+32 levels deep, 10 s to send them) and answered with ``Connection: close``; a malformed request gets
+a 400 (431 for a head too large, 413 for a body) and never reaches the cache. An attach entry is
+validated as one from a request (``HiCache.attach_storage(..., from_request=True)``): a built-in
+``kind`` or an installed plugin only, and nothing read from this process's environment; no answer
+quotes anything but the request and the validation's own messages (secrets never shown).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import h11
 from anyio.abc import SocketStream
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -51,9 +57,16 @@ __all__ = ["MetricsServer", "registry_for", "serve"]
 
 log = logging.getLogger(__name__)
 
-_MAX_HEAD = 16 * 1024
+_MAX_HEAD = 16 * 1024  # request line and headers
 _MAX_BODY = 64 * 1024
+_MAX_DEPTH = 32  # of a JSON body: an entry is a few levels deep
+_TOO_DEEP = f"the body is not JSON this server takes: nested deeper than {_MAX_DEPTH} levels"
 _READ_TIMEOUT_S = 10.0
+_RECEIVE_BYTES = 65536
+_DRAIN_S, _DRAIN_BYTES = 1.0, 1024 * 1024  # after an error answer (see _respond)
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 
 
 def registry_for(cache: HiCache, **collector_options: Any) -> CollectorRegistry:
@@ -88,27 +101,32 @@ class MetricsServer:
 
     async def handle(self, stream: SocketStream) -> None:
         async with stream:
+            conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
             try:
-                with anyio.fail_after(_READ_TIMEOUT_S):
-                    method, path, headers, body = await _read_request(stream)
-                status, ctype, payload = await self._route(method, path, headers, body)
+                try:
+                    with anyio.fail_after(_READ_TIMEOUT_S):
+                        request, body = await _read_request(stream, conn)
+                except TimeoutError:
+                    return  # a client that does not finish its request in time: dropped
+                headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers}
+                status, ctype, payload = await self._route(
+                    request.method.decode("ascii", "replace"), request.target.decode("latin-1"), headers, body
+                )
             except _BadRequest as exc:
                 status, ctype, payload = exc.status, "application/json", _json({"error": str(exc)})
-            except TimeoutError:
-                return  # a client that does not finish its request in time: dropped
+            except h11.RemoteProtocolError as exc:  # what h11 refuses: a malformed or oversized request
+                status = exc.error_status_hint
+                message = (f"the request line and headers are at most {_MAX_HEAD} bytes" if status == 431
+                           else f"malformed request: {str(exc)[:200]}")
+                ctype, payload = "application/json", _json({"error": message})
             except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionError):
                 return
             except Exception as exc:  # a bug must cost one request a 500, never the server (or the caller's block)
                 log.error("metrics server: %s failed", type(exc).__name__, exc_info=exc)
-                status, ctype, payload = 500, "application/json", _json({"error": f"{type(exc).__name__}: {exc}"})
-            reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-                      413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}.get(status, "")
-            head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(payload)}\r\n"
-                    "Connection: close\r\n\r\n").encode()
-            try:
-                await stream.send(head + payload)
-            except (anyio.BrokenResourceError, ConnectionError):
-                pass
+                # Only the type: a message may quote anything the process holds.
+                status, ctype, payload = 500, "application/json", _json(
+                    {"error": f"internal error ({type(exc).__name__}); the server's log has the details"})
+            await _respond(stream, conn, status, ctype, payload)
 
     async def _route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str, bytes]:
         path = path.split("?", 1)[0]
@@ -150,7 +168,8 @@ class MetricsServer:
                 position = request.get("position")
                 log.info("admin: attach storage tier %s (%s) at %s", _name_of(entry), _kind_of(entry),
                          "the end" if position is None else f"position {position}")
-                change = await cache.attach_storage(entry, position)  # type: ignore[arg-type]
+                # from_request: a built-in kind or a plugin only, and nothing read from our environment.
+                change = await cache.attach_storage(entry, position, from_request=True)  # type: ignore[arg-type]
             elif path == "/admin/storage/detach":
                 name = request.get("name")
                 if not isinstance(name, str):
@@ -190,37 +209,86 @@ def _json_body(body: bytes) -> dict[str, Any]:
         value = json.loads(body or b"{}")
     except (ValueError, UnicodeDecodeError) as exc:
         raise _BadRequest(400, f"the body is not JSON: {exc}") from None
+    except RecursionError:  # the parser's own stack: nested deeper than Python's recursion limit
+        raise _BadRequest(400, _TOO_DEEP) from None
     if not isinstance(value, dict):
         raise _BadRequest(400, "the body must be a JSON object")
+    if _depth(value) > _MAX_DEPTH:  # what passes the parser may still be too deep to print or validate
+        raise _BadRequest(400, _TOO_DEEP)
     return value
 
 
-async def _read_request(stream: SocketStream) -> tuple[str, str, dict[str, str], bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        if len(data) > _MAX_HEAD:
-            raise _BadRequest(413, "request head too large")
-        data += await stream.receive(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise _BadRequest(400, "malformed request line")
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if not sep:
-            raise _BadRequest(400, "malformed header")
-        headers[name.strip().lower()] = value.strip()
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (walked without recursion)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+async def _read_request(stream: SocketStream, conn: h11.Connection) -> tuple[h11.Request, bytes]:
+    """One request, parsed by h11, within the limits: ``_MAX_HEAD`` bytes of request line and
+    headers, ``_MAX_BODY`` of body (``Content-Length`` or chunked).
+
+    Until the head is complete h11 is handed at most ``_MAX_HEAD + 1`` bytes: it checks
+    ``max_incomplete_event_size`` only while an event is incomplete, so a longer head that arrived
+    in one read would be parsed whole.
+    """
+    request: h11.Request | None = None
+    body = bytearray()
+    pending = b""  # received, not yet handed to h11
+    fed = 0  # bytes handed to h11 before the head was complete (all of them still in its buffer)
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            if not pending:
+                try:
+                    pending = await stream.receive(_RECEIVE_BYTES)
+                except anyio.EndOfStream:
+                    conn.receive_data(b"")  # h11 says what that means: closed idle, or cut off
+                    continue
+            take = len(pending) if request is not None else _MAX_HEAD + 1 - fed
+            conn.receive_data(pending[:take])
+            fed += 0 if request is not None else min(take, len(pending))
+            pending = pending[take:]
+        elif isinstance(event, h11.Request):
+            request = event
+            length = next((v for k, v in event.headers if k == b"content-length"), None)
+            if length is not None and int(length) > _MAX_BODY:  # h11 checked it is a number
+                raise _BadRequest(413, f"bodies are at most {_MAX_BODY} bytes")
+            if conn.they_are_waiting_for_100_continue:
+                await stream.send(conn.send(h11.InformationalResponse(status_code=100, headers=[], reason="Continue")))
+        elif isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > _MAX_BODY:
+                raise _BadRequest(413, f"bodies are at most {_MAX_BODY} bytes")
+        elif isinstance(event, h11.EndOfMessage):
+            assert request is not None
+            return request, bytes(body)
+        else:  # ConnectionClosed before a request: nothing to answer
+            raise anyio.EndOfStream
+
+
+async def _respond(stream: SocketStream, conn: h11.Connection, status: int, ctype: str, payload: bytes) -> None:
+    """Send the answer (within ``_READ_TIMEOUT_S``: a client that does not read is dropped) and close.
+    After an error, what the client still sends is read and dropped for a moment (bounded), so
+    closing with unread bytes does not reset the connection under the answer."""
+    headers = [("Content-Type", ctype), ("Content-Length", str(len(payload))), ("Connection", "close")]
     try:
-        length = int(headers.get("content-length", "0"))
-    except ValueError:
-        raise _BadRequest(400, "bad Content-Length") from None
-    if length < 0 or length > _MAX_BODY:
-        raise _BadRequest(413, f"bodies are at most {_MAX_BODY} bytes")
-    while len(body) < length:
-        body += await stream.receive(65536)
-    return parts[0], parts[1], headers, body[:length]
+        data = conn.send(h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, "")))
+        with anyio.move_on_after(_READ_TIMEOUT_S):
+            await stream.send(data + conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage()))
+        if status >= 400:
+            await stream.send_eof()
+            with anyio.move_on_after(_DRAIN_S):
+                drained = 0
+                while drained < _DRAIN_BYTES:
+                    drained += len(await stream.receive(_RECEIVE_BYTES))
+    except (anyio.BrokenResourceError, anyio.EndOfStream, ConnectionError, h11.LocalProtocolError):
+        pass
 
 
 @asynccontextmanager

@@ -1,17 +1,24 @@
 """Attention over KV in pieces: the cached prefix where it lies, the sequence's own tokens in its buffer.
 
-On the CPU ``CachedCausalLM`` attends with ``segment_attention``: torch's flash kernel for the CPU,
-which also returns the log-sum-exp of each query's scores. Usually there is one piece, the
+On the CPU ``CachedCausalLM`` attends with ``segment_attention``. Usually there is one piece, the
 sequence's buffer with the restored prefix copied in. With ``attend_in_pages=True`` the prefix is
 not copied: ``PrefixCache`` hands the attention *views* of the cache's device pages (one per run
-of consecutive pages) besides the buffer, and the pieces are merged exactly (the rescaling of
-flash-decoding): ``out = sum_i exp(lse_i - lse) out_i``. That saves the copy but costs a call and a
-merge per piece in every step; ``benchmarks/prefix_attention.py`` measures which wins.
+of consecutive pages) besides the buffer.
 
-Grouped-query attention needs no copies of K and V: the query heads that share a KV head
-are stacked along the query axis (``[B, Hkv, g * T, D]``), against the ``repeat_kv`` copies of
-transformers' SDPA path. Only the sequence's own piece needs a mask (causal, offset by the tokens
-computed before this step); a piece of the prefix is seen whole by every query.
+A prefill step attends in two parts, merged exactly (the rescaling of flash-decoding,
+``out = sum_i exp(lse_i - lse) out_i``): the keys every query sees whole (the prefix, and own
+tokens computed before this step), without a mask, and this step's own tokens with torch's
+*causal* flash kernel, which skips the blocks above the diagonal instead of masking them. With no
+prefix (a cold prefill) that one causal call is all: the very call the model's own SDPA attention
+makes. Every call shares K and V heads natively (grouped-query attention, no ``repeat_kv`` copies).
+A step of fewer than ``SPLIT_MIN_QUERIES`` tokens over a buffer holding more (a short turn after
+a prefix copied in) takes one call with a mask instead: its triangle is too small to pay for a
+second call and a merge. Earlier versions stacked the query heads of a KV head and so needed a mask
+for every prefill; computing every block, a cold prefill cost 1.1-1.6x the model's own forward
+at 1-6K tokens (``benchmarks/prefill_overhead.py`` compares the two).
+
+A decode step's single query sees every piece whole: the query heads sharing a KV head are stacked
+(``[B, Hkv, g, D]``), so each KV head is read once (as transformers 5's SDPA does).
 
 Registered with transformers as ``"hicache_segments"``; ``CachedCausalLM`` switches the model to it
 for its own forwards only (and back). The model builds no mask for it (transformers skips mask
@@ -90,23 +97,6 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-_masks: dict[tuple[int, int, int, torch.dtype, torch.device], torch.Tensor] = {}
-
-
-def _own_mask(queries: int, length: int, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-    """Additive mask ``[groups * queries, length]``: query ``j`` sees own tokens up to ``length - queries + j``."""
-    if queries == 1:
-        return None
-    key = (queries, length, groups, dtype, device)
-    mask = _masks.get(key)
-    if mask is None:
-        if len(_masks) > 64:
-            _masks.clear()
-        one = torch.full((queries, length), float("-inf"), dtype=dtype, device=device).triu(length - queries + 1)
-        mask = _masks[key] = one.repeat(groups, 1)
-    return mask
-
-
 def segment_attention(
     module: Any,
     query: torch.Tensor,
@@ -122,27 +112,87 @@ def segment_attention(
         raise TypeError("segment_attention needs a PrefixCache in segment mode (CachedCausalLM sets it up)")
     if dropout or kwargs.get("softcap") or kwargs.get("sliding_window") or kwargs.get("s_aux") is not None:
         raise NotImplementedError("segment_attention: dropout, soft-capping, sliding windows and sinks are not supported")
-    batch, heads, queries, dim = query.shape
-    kv_heads = key.own_k.shape[1]
-    groups = heads // kv_heads
-    q = query.reshape(batch, kv_heads, groups * queries, dim)  # query heads sharing a KV head, stacked
-    mask = _own_mask(queries, key.own_k.shape[-2], groups, q.dtype, q.device)
-    pieces = [(k, v, None) for k, v in key.prefix] + [(key.own_k, key.own_v, mask)]
-    out: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
-    for k, v, m in pieces:
-        if k.shape[-2] == 0:
-            continue
-        o, l = _flash(q, k, v, 0.0, False, attn_mask=m, scale=scaling)
-        if out is None:
-            out, lse = o, l
-            continue
-        assert lse is not None
-        top = torch.maximum(lse, l)
-        a, b = torch.exp(lse - top), torch.exp(l - top)
-        total = a + b
-        out = (out * (a / total).unsqueeze(-1)).add_(o * (b / total).unsqueeze(-1))
-        lse = top + torch.log(total)
-    assert out is not None
-    out = out.reshape(batch, heads, queries, dim)
+    queries = query.shape[-2]
+    if queries == 1:
+        out = _decode(query, key, scaling)
+    else:
+        out = _prefill(query, key, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: below this many queries a prefill step after computed tokens takes one call with a mask: the
+#: triangle the causal kernel skips is then smaller than what a second call and a merge cost
+SPLIT_MIN_QUERIES = 128
+
+_masks: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _prefill(query: torch.Tensor, key: Segments, scaling: float | None) -> torch.Tensor:
+    """Several queries: the pieces every query sees whole (the prefix, and the own tokens computed
+    before this step) without a mask, this step's own tokens with the causal kernel, merged.
+
+    The causal kernel is top-left aligned, so it takes exactly this step's keys (a square). With
+    nothing before them (a cold prefill) that one call is all, the model's own: SDPA, causal, GQA.
+    A short step over a buffer holding more (the prefix copied in) takes one call with a mask."""
+    queries = query.shape[-2]
+    own = key.own_k.shape[-2]
+    done = own - queries  # own tokens computed before this step
+    seen = [(k, v) for k, v in key.prefix if k.shape[-2]]
+    if not seen and done == 0:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key.own_k, key.own_v, is_causal=True, scale=scaling, enable_gqa=True
+        )
+    if not seen and queries < SPLIT_MIN_QUERIES:
+        mask = _causal_mask(queries, own, query.dtype, query.device)
+        return _flash(query, key.own_k, key.own_v, 0.0, False, attn_mask=mask, scale=scaling)[0]
+    if done:
+        seen.append((key.own_k[:, :, :done], key.own_v[:, :, :done]))
+    # K and V heads are shared natively (grouped-query attention) by every call
+    out, lse = _flash(query, key.own_k[:, :, done:], key.own_v[:, :, done:], 0.0, True, scale=scaling)
+    for i, (k, v) in enumerate(seen):
+        o, l = _flash(query, k, v, 0.0, False, scale=scaling)
+        out, lse = _merge(out, lse, o, l, last=i == len(seen) - 1)
+    return out
+
+
+def _causal_mask(queries: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive ``[queries, length]``: query ``j`` sees keys up to ``length - queries + j``. Made
+    once per forward (its layers share it); the last few are kept (each under 4 MB at 8K keys)."""
+    key = (queries, length, dtype, device)
+    mask = _masks.get(key)
+    if mask is None:
+        if len(_masks) >= 4:
+            _masks.clear()
+        mask = _masks[key] = torch.full((queries, length), float("-inf"), dtype=dtype, device=device).triu(
+            length - queries + 1
+        )
+    return mask
+
+
+def _decode(query: torch.Tensor, key: Segments, scaling: float | None) -> torch.Tensor:
+    """One query sees every piece whole. The query heads sharing a KV head are stacked
+    (``[B, Hkv, g, D]``), so each KV head is read once, not once per query head."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.own_k.shape[1]
+    q = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+    pieces = [(k, v) for k, v in key.prefix if k.shape[-2]]
+    if key.own_k.shape[-2]:
+        pieces.append((key.own_k, key.own_v))
+    if len(pieces) == 1:
+        (k, v), = pieces
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scaling)
+    else:
+        out, lse = _flash(q, *pieces[0], 0.0, False, scale=scaling)
+        for i, (k, v) in enumerate(pieces[1:], 2):
+            o, l = _flash(q, k, v, 0.0, False, scale=scaling)
+            out, lse = _merge(out, lse, o, l, last=i == len(pieces))
+    return out.reshape(batch, heads, 1, dim)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor, *,
+           last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attentions of the same queries over disjoint keys, as one: ``out`` moves towards ``o``
+    by ``o``'s share of the softmax mass, ``exp(l) / (exp(lse) + exp(l)) = sigmoid(l - lse)``.
+    The merged log-sum-exp is only needed if another piece follows (not ``last``)."""
+    share = torch.sigmoid(l - lse).unsqueeze(-1).to(out.dtype)
+    return torch.lerp(out, o, share), (lse if last else torch.logaddexp(lse, l))

@@ -53,7 +53,8 @@ class CachedCausalLM:
     ``yield_to_prefills`` (default) makes the cache's backups and storage writes wait while a
     prefill computes (at most ``controller.yield_max_s`` at a time), so they do not compete with it
     for the cores. ``segment_attention`` (default: where it runs, the CPU) attends with
-    ``attention.py``'s kernel (grouped-query attention without ``repeat_kv`` copies); ``False``
+    ``attention.py``'s calls (torch's causal flash kernel for the step's own tokens, the prefix
+    unmasked, no ``repeat_kv`` copies; a cold prefill makes exactly the model's own call); ``False``
     keeps the model's own attention. The restored prefix is copied into the model's cache, page
     run by page run, as the forward reaches each layer; ``attend_in_pages=True`` (segment
     attention only) attends over it where it lies in the device pages instead. That saves the

@@ -105,11 +105,23 @@ class _Layer(DynamicLayer):
         self._segments = segments
         self.device = keys.device
         self.is_initialized = True
-        self._expose()
 
-    def _expose(self) -> None:
-        self.keys = self._k[:, :, : self._len]
-        self.values = self._v[:, :, : self._len]
+    # The filled part of the buffer, as views made when asked for (not on every step).
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor:
+        return self._k[:, :, : self._len]
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        _views_only(value)
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor:
+        return self._v[:, :, : self._len]
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        _views_only(value)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None  # the buffer exists from the start
@@ -124,19 +136,20 @@ class _Layer(DynamicLayer):
             self._views = tuple(fetch())
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        self.restore()
+        if self._restore is not None or self._prefix is not None:
+            self.restore()
         start = self._len
         end = start + key_states.shape[-2]
         if end > self._k.shape[-2]:
             self._grow(end)
-        self._k[:, :, start:end].copy_(key_states)
-        self._v[:, :, start:end].copy_(value_states)
+        k, v = self._k, self._v
+        k[:, :, start:end].copy_(key_states)
+        v[:, :, start:end].copy_(value_states)
         self._len = end
-        self._expose()
         if self._segments:
-            own = slice(self._own, end)
-            return (Segments(self._views, self._k[:, :, own], self._v[:, :, own], key_states.shape[-2]),) * 2
-        return self.keys, self.values
+            own = self._own
+            return (Segments(self._views, k[:, :, own:end], v[:, :, own:end], end - start),) * 2
+        return k[:, :, :end], v[:, :, :end]
 
     def _grow(self, tokens: int) -> None:
         capacity = max(tokens, 2 * self._k.shape[-2])
@@ -156,13 +169,11 @@ class _Layer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count of tokens to remove")
         self._len = max(0, self._len + tokens_to_remove)
-        self._expose()
 
     def reset(self) -> None:
         self._len = self._own = 0
         self._restore = self._prefix = None
         self._views = ()
-        self._expose()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError("PrefixCache holds one sequence")
@@ -177,16 +188,14 @@ class PrefixCache(DynamicCache):
     ``restore(layer, kv)`` copies a layer's prefix into the buffer; ``prefix(layer)`` returns
     views of it instead (segment mode only). ``segments``: ``update`` returns ``Segments`` for
     ``segment_attention`` rather than tensors. With ``lazy=False`` every layer's prefix is put in
-    place before the forward starts.
+    place before the forward starts. ``config`` (the model's) is not read: the layers are all this
+    module's full-attention buffers (sliding-window models are refused before).
     """
 
     def __init__(self, config: Any, buffers: KVBuffers, num_layers: int, *, restored: int = 0,
                  restore: RestoreLayer | None = None, prefix: PrefixViews | None = None,
                  segments: bool = False, lazy: bool = True) -> None:
-        try:
-            super().__init__(config=config)
-        except TypeError:  # transformers before 4.56 had no config argument
-            super().__init__()
+        super().__init__()  # not DynamicCache(config=): it builds layers we replace, and costs 1 ms a prefill
         if restore is not None and prefix is not None:
             raise ValueError("give restore (copy the prefix in) or prefix (views of it), not both")
         if prefix is not None and not segments:
@@ -214,6 +223,11 @@ class PrefixCache(DynamicCache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         return self.layers[layer_idx].update(key_states, value_states)
+
+
+def _views_only(value: Any) -> None:
+    if value is not None:  # None: the base class's initial state
+        raise AttributeError("a PrefixCache layer's keys and values are views of its buffer; update() writes them")
 
 
 def layer_tensors(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,11 @@ plans) and the worker's (``WorkerSide``: the cache itself, the per-layer copies)
 KV plays the device tier's part; hicache's device pool is a small staging area between vLLM's
 blocks and the host tier, and hicache contributes the host tier, the storage tiers, the radix
 index, the controller and its policies.
+
+Operations: the worker's metrics reach vLLM's ``/metrics`` through its connector stats
+(``metrics.py``); the worker's ``shutdown`` drains what the write policy owes storage, bounded by
+the time vLLM gives its worker to exit (``vllm serve --shutdown-timeout`` must be above 0 for vLLM
+to shut down gracefully at all: with its default, 0, a SIGTERM kills the worker at once).
 """
 
 from __future__ import annotations
@@ -28,14 +33,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .channel import ChannelClient, socket_path
+from .channel import socket_path
 from .metadata import HiCacheMetadata
+from .ranks import RankChannels
 from .scheduler_side import SchedulerSide
-from .settings import cache_config_for
+from .settings import cache_config_for, connector_options, worker_rank
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -46,6 +53,21 @@ if TYPE_CHECKING:
 __all__ = ["HiCacheConnector"]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
+
+# vLLM's multiprocess executor, when it shuts down, waits VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS for its
+# worker to exit, then sends SIGTERM (which the worker ignores once shutting down) and 4 s later
+# SIGKILL (vllm/v1/executor/multiproc_executor.py, _ensure_worker_termination).
+_SIGTERM_GRACE_S = 4.0
+_EXIT_MARGIN_S = 1.0  # left for the drain's log line and the rest of vLLM's teardown
+
+
+def _worker_exit_budget_s(vllm_config: VllmConfig) -> float | None:
+    """How long vLLM lets this worker take to exit once it shuts down (None: not bounded by vLLM)."""
+    if vllm_config.parallel_config.distributed_executor_backend != "mp":
+        return None
+    from vllm import envs
+
+    return max(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + _SIGTERM_GRACE_S - _EXIT_MARGIN_S, 1.0)
 
 
 class HiCacheConnector(KVConnectorBase_V1):
@@ -58,9 +80,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         engine_id = ktc.engine_id or str(vllm_config.instance_id)
-        self.channel_path = socket_path(engine_id)
+        # Each TP rank's worker has its own cache and channel; the scheduler asks them all (ranks.py).
+        self.channel_path = socket_path(engine_id, worker_rank(vllm_config))
         block_size = vllm_config.cache_config.block_size
         device = vllm_config.device_config.device_type
+        options = connector_options(extra)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -71,10 +95,19 @@ class HiCacheConnector(KVConnectorBase_V1):
                     ktc.kv_load_failure_policy,
                 )
             config = cache_config_for(vllm_config, extra, device=device, fingerprint=False)
-            self.scheduler = SchedulerSide(ChannelClient(self.channel_path), config.page_size, block_size)
+            ranks = RankChannels(engine_id, vllm_config.parallel_config.tensor_parallel_size)
+            self.scheduler = SchedulerSide(ranks, config.page_size, block_size)
         else:
-            config = cache_config_for(vllm_config, extra, device=device)
-            self.worker = WorkerSide(config, block_size, self.channel_path)
+            config = cache_config_for(vllm_config, extra, device=device, max_shutdown_s=_worker_exit_budget_s(vllm_config))
+            if config.tiers.storage and vllm_config.shutdown_timeout == 0:
+                log.warning(
+                    "hicache: vLLM's shutdown_timeout is 0 (its default): on SIGTERM `vllm serve` kills this worker "
+                    "at once, so pages still queued for storage are neither written nor counted; start it with "
+                    "--shutdown-timeout S (S above the time in-flight requests need plus controller.shutdown_timeout_s"
+                    "=%.0f) and VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS at least controller.shutdown_timeout_s",
+                    config.controller.shutdown_timeout_s,
+                )
+            self.worker = WorkerSide(config, block_size, self.channel_path, options)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -110,6 +143,35 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The worker's latest metrics export, once per ``stats_interval_s`` (vLLM asks every step)."""
+        if self.worker is None:
+            return None
+        families = self.worker.take_export()
+        if families is None:
+            return None
+        from .metrics import HiCacheConnectorStats
+
+        return HiCacheConnectorStats(data={"families": families})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        from .metrics import HiCacheConnectorStats
+
+        return HiCacheConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        from .metrics import HiCachePromMetrics
+
+        return HiCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

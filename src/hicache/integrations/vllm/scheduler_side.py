@@ -13,19 +13,26 @@ step must load and save.
   layer inside the step's forward.
 * Each step (``build_connector_meta``) it lists the loads of newly scheduled requests and, for
   every scheduled request, the full pages its forward completes that hicache does not hold yet.
-* When a request finishes or is aborted it tells the worker to drop its prefetch.
+* When a request finishes or is aborted it tells the worker to drop its prefetch (only a request
+  whose queued lookup left one held: the others cost no round trip).
 
 Lookups go to the worker over the side channel (see ``channel.py``); a lookup that fails is a miss.
+Under tensor parallelism they go to every rank's worker and the answer is the minimum (``ranks.py``).
+Each hook is timed (``profile.py``); the profile rides on the lookup and forget messages to the
+worker, which exports it with its own metrics.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from .channel import ChannelClient
 from .metadata import HiCacheMetadata, LoadSpec, SaveSpec
+from .profile import SCHEDULER_HOOKS, HookProfile
+from .ranks import RankChannels
 
 __all__ = ["SchedulerSide"]
 
@@ -40,13 +47,15 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, client: ChannelClient, page_size: int, block_size: int) -> None:
+    def __init__(self, client: ChannelClient | RankChannels, page_size: int, block_size: int) -> None:
         self.client = client
         self.page_size = page_size
         self.block_size = block_size
         self._hits: dict[str, int] = {}  # req_id -> hicache hit (tokens) at the last lookup
         self._pending: dict[str, int] = {}  # req_id -> external tokens granted, until its first step
         self._tracked: dict[str, _Tracked] = {}
+        self.profile = HookProfile(SCHEDULER_HOOKS)
+        self._held: set[str] = set()  # requests the worker holds a prefetch for (told at their queued lookup)
 
     def _usable(self, request: Any) -> int:
         """Whole blocks of the request's tokens, leaving at least one token to compute."""
@@ -56,9 +65,14 @@ class SchedulerSide:
         usable = self._usable(request)
         if usable <= 0:
             return 0
+        started = time.perf_counter()
         tokens = list(request.all_token_ids[:usable])
-        reply = self.client.call({"op": "lookup", "req": request.request_id, "tokens": tokens, "prefetch": prefetch})
+        reply = self.client.call({"op": "lookup", "req": request.request_id, "tokens": tokens, "prefetch": prefetch,
+                                  "profile": self.profile.snapshot()})
+        if prefetch and (reply is None or reply.get("held", True)):
+            self._held.add(request.request_id)  # no answer: it may hold one; say forget to be sure
         hit = 0 if reply is None else min(int(reply.get("tokens", 0)), usable)
+        self.profile.add("lookup", time.perf_counter() - started)
         return hit - hit % self.block_size
 
     # -- vLLM hooks -----------------------------------------------------------------------------
@@ -81,6 +95,13 @@ class SchedulerSide:
         )
 
     def build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
+        started = time.perf_counter()
+        try:
+            return self._build_meta(scheduler_output)
+        finally:
+            self.profile.add("plan", time.perf_counter() - started)
+
+    def _build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         meta = HiCacheMetadata()
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -134,8 +155,12 @@ class SchedulerSide:
         tracked.stored_pages = end
 
     def request_finished(self, request: Any) -> None:
+        started = time.perf_counter()
         rid = request.request_id
         self._tracked.pop(rid, None)
         self._pending.pop(rid, None)
         self._hits.pop(rid, None)
-        self.client.call({"op": "forget", "req": rid})
+        if rid in self._held:
+            self._held.discard(rid)
+            self.client.call({"op": "forget", "req": rid, "profile": self.profile.snapshot()})
+        self.profile.add("finish", time.perf_counter() - started)

@@ -5,15 +5,25 @@ synchronous hooks call into it through the portal. Everything a step holds (the 
 loads from, the reservations it saves into) lives in one ``AsyncExitStack`` per step, closed when
 the step ends, whatever happened: nothing outlives its step. Prefetches started by the
 scheduler's lookups are held per request and cancelled when the request finishes or is aborted.
+
+It also prepares the metrics: every ``stats_interval_s`` a snapshot of hicache's and the
+connector's metric families for vLLM's connector stats (``export.py``), and, with a
+``metrics_port``, hicache's own ``/metrics`` server on this loop. When it closes, the cache drains
+what its write policy owes storage (bounded by ``controller.shutdown_timeout_s``) and the service
+logs what was written and what was not, with counts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import math
 import os
+import queue
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -30,7 +40,10 @@ from ...config import HiCacheConfig
 from ...controller.prefetch import Prefetch
 from ...errors import HiCacheError
 from ...leases import RetrieveView, SlotReservation
+from . import export
 from .channel import MAX_FRAME, encode
+from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds
+from .settings import ConnectorOptions
 
 if TYPE_CHECKING:
     from .metadata import LoadSpec, SaveSpec
@@ -40,6 +53,7 @@ __all__ = ["CacheService", "StepLeases", "ConnectorCounters"]
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 _RECORDS = 100_000  # per-request load records kept for tools (oldest dropped)
+_SETTLE_TIMEOUT_S = 30.0  # how long closing (or a stats call) waits for the steps vLLM ended to finish
 
 
 @dataclasses.dataclass
@@ -58,6 +72,8 @@ class ConnectorCounters:
     save_skipped_pages: int = 0
     prefetches_held: int = 0
     prefetches_cancelled: int = 0
+    drained_pages: int = 0  # written to storage while the cache closed
+    undrained_pages: int = 0  # promised to storage, not written when it closed (logged with the count)
 
 
 @dataclasses.dataclass
@@ -72,17 +88,32 @@ class StepLeases:
 class CacheService(anyio.AsyncContextManagerMixin):
     """Owns the cache and the channel server for one vLLM worker."""
 
-    def __init__(self, config: HiCacheConfig, socket_path: str) -> None:
+    def __init__(self, config: HiCacheConfig, socket_path: str, options: ConnectorOptions | None = None) -> None:
         self.config = config
         self.socket_path = socket_path
+        self.options = options or ConnectorOptions()
         self.cache: HiCache | None = None
         self.counters = ConnectorCounters()
         self.records: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._held: dict[str, Prefetch] = {}
         self.open_steps = 0
+        self.worker_profile = HookProfile(WORKER_HOOKS)  # timed by WorkerSide in vLLM's thread
+        self.scheduler_profile: dict[str, list[float]] = {}  # the scheduler's, sent with its messages
+        self.payload: tuple[int, list[list[Any]]] | None = None  # (sequence, families) for vLLM's stats
+        self.metrics_url: str | None = None
+        self._loop_thread: int | None = None
+        # Steps ended by vLLM's thread (schedule_finish) and finished here, in order, by one task:
+        # the scheduled count is written by that thread only, the done count by this loop only.
+        self.finishes_scheduled = 0
+        self.finishes_done = 0
+        self._finishes: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._finish_wakeup = anyio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[CacheService]:
+        self._loop_thread = threading.get_ident()
+        self._loop = asyncio.get_running_loop()
         async with HiCache.from_config(self.config) as cache:
             self.cache = cache
             try:
@@ -92,12 +123,20 @@ class CacheService(anyio.AsyncContextManagerMixin):
             listener = await anyio.create_unix_listener(self.socket_path)
             try:
                 os.chmod(self.socket_path, 0o600)
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(listener.serve, self._serve)
-                    try:
-                        yield self
-                    finally:
-                        tg.cancel_scope.cancel()
+                async with AsyncExitStack() as stack:
+                    if self.options.metrics_port is not None:
+                        await self._serve_metrics(stack)
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(listener.serve, self._serve)
+                        tg.start_soon(self._finish_steps)
+                        if self.options.stats_interval_s > 0:
+                            tg.start_soon(self._prepare_payloads, self.options.stats_interval_s)
+                        try:
+                            yield self
+                        finally:
+                            with anyio.CancelScope(shield=True):
+                                await self._settle_steps(_SETTLE_TIMEOUT_S)  # the steps vLLM ended, first
+                            tg.cancel_scope.cancel()
             finally:
                 for op in self._held.values():
                     op.cancel()
@@ -107,7 +146,86 @@ class CacheService(anyio.AsyncContextManagerMixin):
                     os.unlink(self.socket_path)
                 except FileNotFoundError:
                     pass
-                self.cache = None
+                before = self._drain_state(cache)
+                started = time.monotonic()
+        self.cache = None
+        self._log_drain(cache, before, time.monotonic() - started)
+
+    # -- shutdown accounting --------------------------------------------------------------------
+
+    def _drain_state(self, cache: HiCache) -> dict[str, int]:
+        """The storage queue as the cache starts to close, and the counts of pages written and lost so far."""
+        try:
+            s = cache.stats()
+        except Exception as exc:  # noqa: BLE001 - accounting must not stop the close
+            log.warning("hicache: drain figures unavailable: %r", exc)
+            return {}
+        return {
+            "queued": sum(s.queue_depths.values()),
+            "in_flight": s.in_flight,
+            "tiers": len(s.storage),
+            "stored": s.storage_backups,
+            "lost": s.lost_pages,
+        }
+
+    def _log_drain(self, cache: HiCache, before: dict[str, int], seconds: float) -> None:
+        """After the cache closed: how many pages its drain wrote to storage, how many it could not."""
+        if not before.get("tiers"):
+            return  # no storage tier: nothing is owed below memory
+        after = self._drain_state(cache)
+        if not after:
+            return
+        written, lost = after["stored"] - before["stored"], after["lost"] - before["lost"]
+        self.counters.drained_pages, self.counters.undrained_pages = written, lost
+        line = (
+            "hicache: closed in %.1f s: %d pages written to storage while draining (%d jobs were queued, %d in "
+            "flight), %d pages the %s policy promised to storage not written"
+        )
+        args = (seconds, written, before["queued"], before["in_flight"], lost, cache.config.policies.write)
+        (log.warning if lost else log.info)(line, *args)
+
+    # -- metrics --------------------------------------------------------------------------------
+
+    @property
+    def held_prefetches(self) -> int:
+        return len(self._held)
+
+    def loop_cpu_seconds(self) -> float | None:
+        """CPU seconds of the cache's event-loop thread (channel, commits, background work it runs)."""
+        return thread_cpu_seconds(self._loop_thread)
+
+    def profiles(self) -> dict[str, dict[str, list[float]]]:
+        return {"scheduler": dict(self.scheduler_profile), "worker": self.worker_profile.snapshot()}
+
+    def export(self) -> list[list[Any]]:
+        """hicache's and the connector's metric families, as plain data (``export.encode``)."""
+        from ...metrics import HiCacheCollector
+
+        return export.encode([*HiCacheCollector(self._cache).collect(), *export.connector_families(self)])
+
+    async def _prepare_payloads(self, interval_s: float) -> None:
+        """Every ``interval_s``: a fresh export for vLLM's connector stats, which ``get_kv_connector_stats``
+        picks up without waiting (vLLM asks every step, on its own thread)."""
+        seq = 0
+        while True:
+            seq += 1
+            self.payload = (seq, self.export())
+            await anyio.sleep(interval_s)
+
+    async def _serve_metrics(self, stack: AsyncExitStack) -> None:
+        """hicache's ``/metrics`` (and ``/healthz``) on this loop, with the connector's families."""
+        from prometheus_client import CollectorRegistry
+
+        from ...metrics import HiCacheCollector, serve
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(HiCacheCollector(self._cache))
+        registry.register(_ConnectorCollector(self))
+        server = await stack.enter_async_context(
+            serve(self._cache, port=self.options.metrics_port or 0, host=self.options.metrics_host, registry=registry)
+        )
+        self.metrics_url = f"{server.url}/metrics"
+        log.info("hicache: metrics on %s", self.metrics_url)
 
     @property
     def _cache(self) -> HiCache:
@@ -142,15 +260,18 @@ class CacheService(anyio.AsyncContextManagerMixin):
             raise TypeError("a message is a JSON object")
         op = message.get("op")
         if op == "lookup":
+            self._take_profile(message.get("profile"))
             return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
         if op == "forget":
             self.forget(str(message["req"]))
+            self._take_profile(message.get("profile"))
             return {}
         if op == "stats":
+            await self._settle_steps(_SETTLE_TIMEOUT_S)  # the steps vLLM has ended are counted
             return self.stats()
         if op == "wait_idle":
             with anyio.fail_after(float(message.get("timeout_s", 60))):
-                await self._cache.wait_idle()
+                await self.settle()
             return {}
         return {"error": f"unknown op {op!r}"}
 
@@ -170,7 +291,15 @@ class CacheService(anyio.AsyncContextManagerMixin):
                 self._release(old)
             self._held[req_id] = hit.prefetch
             self.counters.prefetches_held += 1
-        return {"tokens": hit.tokens, "by_tier": dict(hit.by_tier)}
+        # held: the request has a prefetch to end when it finishes (else the scheduler need not say)
+        return {"tokens": hit.tokens, "by_tier": dict(hit.by_tier), "held": req_id in self._held}
+
+    def _take_profile(self, profile: Any) -> None:
+        """The scheduler's hook profile (cumulative), sent with its forget messages."""
+        if isinstance(profile, dict):
+            self.scheduler_profile = {
+                str(k): [float(v[0]), float(v[1])] for k, v in profile.items() if isinstance(v, list) and len(v) == 2
+            }
 
     def forget(self, req_id: str) -> None:
         """The request finished or was aborted: end its prefetch unless another request shares it."""
@@ -244,6 +373,59 @@ class CacheService(anyio.AsyncContextManagerMixin):
             self.counters.saves += 1
             self.counters.saved_tokens += added
 
+    def schedule_finish(
+        self, step: StepLeases, saves: list[SaveSpec] | None, skip: set[str],
+        records: list[tuple[str, int, dict[str, int], int]],
+    ) -> None:
+        """From vLLM's thread, without waiting: end this step on the loop (``_finish_steps``).
+
+        The step's pages are already copied into its reserved device pages; committing them,
+        releasing its leases and counting its loads need not hold vLLM's next step back.
+        """
+        assert self._loop is not None, "the service is not open"
+        self.finishes_scheduled += 1
+        self._finishes.put((step, saves, skip, records))
+        self._loop.call_soon_threadsafe(self._wake_finisher)
+
+    def _wake_finisher(self) -> None:
+        self._finish_wakeup.set()  # on the loop: the event the finisher waits on now
+
+    async def _finish_steps(self) -> None:
+        """Finish the steps vLLM ended, one at a time in the order they ended, so that a request's
+        pages of one step are in the index before those of its next step are committed under them."""
+        while True:
+            await self._finish_wakeup.wait()
+            self._finish_wakeup = anyio.Event()
+            while True:
+                try:
+                    step, saves, skip, records = self._finishes.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    with anyio.CancelScope(shield=True):  # a started commit completes, leases are released
+                        try:
+                            if saves is not None:
+                                await self.commit(step, saves, skip)
+                        finally:
+                            await self.close_step(step)
+                        if records:
+                            self.record_loads(records)
+                except Exception as exc:  # noqa: BLE001 - one step's failure must not end the others
+                    log.error("hicache: a vLLM step failed to finish: %r", exc, exc_info=exc)
+                finally:
+                    self.finishes_done += 1
+
+    async def _settle_steps(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until every step vLLM ended has finished."""
+        with anyio.move_on_after(timeout_s):
+            while self.finishes_done < self.finishes_scheduled:
+                await anyio.sleep(0.002)
+
+    async def settle(self) -> None:
+        """Every ended step finished and every background job of the cache done (for tools and tests)."""
+        await self._settle_steps(_SETTLE_TIMEOUT_S)
+        await self._cache.wait_idle()
+
     async def close_step(self, step: StepLeases) -> None:
         try:
             with anyio.CancelScope(shield=True):
@@ -279,6 +461,9 @@ class CacheService(anyio.AsyncContextManagerMixin):
         cache = self._cache
         return {
             "connector": _jsonable(self.counters),
+            "profile": self.profiles(),
+            "loop_cpu_s": self.loop_cpu_seconds(),
+            "metrics_url": self.metrics_url,
             "cache": _jsonable(cache.stats()),
             "held_prefetches": len(self._held),
             "open_steps": self.open_steps,
@@ -287,6 +472,19 @@ class CacheService(anyio.AsyncContextManagerMixin):
             "namespace": {"model": self.config.model.name, "revision": self.config.model.revision},
             "page_size": cache.page_size,
         }
+
+
+class _ConnectorCollector:
+    """The connector's families for the worker's own ``/metrics`` (``metrics_port``)."""
+
+    def __init__(self, service: CacheService) -> None:
+        self.service = service
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> list[Any]:
+        return export.connector_families(self.service)
 
 
 def _jsonable(value: Any) -> Any:

@@ -6,20 +6,28 @@ the model's identity and KV geometry from vLLM's model config.
 * ``config``: a hicache YAML file (default: the packaged defaults);
 * ``overrides``: a dict merged over it (same shape as the YAML);
 * ``staging_tokens``: tokens of the device tier (default: ``max_model_len`` plus
-  ``max_num_batched_tokens``; it only stages pages between vLLM's blocks and the host tier).
+  ``max_num_batched_tokens``; it only stages pages between vLLM's blocks and the host tier);
+* ``stats_interval_s``: how often the worker reports hicache's metrics through vLLM's connector
+  stats, which vLLM's ``/metrics`` then exports (default 1.0; 0 turns it off);
+* ``metrics_port`` / ``metrics_host``: also serve hicache's own ``/metrics`` from the worker
+  (default: not served; host ``127.0.0.1``; port 0 picks a free one, logged).
 
 The ``model`` section is always filled from vLLM: name (the model path or id, plus the
-quantization method), layers, KV heads, head size and KV dtype. Its ``revision`` is the weights'
-fingerprint (xxh3-128 over the weight files of a local model folder) unless the YAML sets one,
-so KV computed by other weights under the same name is never served. ``page_size`` defaults to
-vLLM's block size; a page size given in the YAML must divide it.
+quantization method), layers, KV heads (this rank's), head size and KV dtype. Its ``revision`` is
+the weights' fingerprint (xxh3-128 over the weight files of a local model folder) unless the YAML
+sets one, so KV computed by other weights under the same name is never served. ``page_size``
+defaults to vLLM's block size; a page size given in the YAML must divide it. ``parallel`` is filled
+too (``parallel_section``): under tensor parallelism each worker rank's cache holds its slice of the
+KV heads, in a namespace of its own.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +38,38 @@ import yaml
 from ...config import HiCacheConfig, load_config
 from ...errors import ConfigError, UnsupportedModelError
 
-__all__ = ["EXTRA_KEYS", "cache_config_for", "weights_fingerprint"]
+__all__ = [
+    "EXTRA_KEYS", "ConnectorOptions", "cache_config_for", "connector_options", "parallel_section", "weights_fingerprint",
+    "worker_rank",
+]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
-EXTRA_KEYS = ("config", "overrides", "staging_tokens")
+EXTRA_KEYS = ("config", "overrides", "staging_tokens", "stats_interval_s", "metrics_port", "metrics_host")
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector's own settings from ``kv_connector_extra_config`` (the cache's are in its YAML)."""
+
+    stats_interval_s: float = 1.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+
+
+def connector_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
+    """``ConnectorOptions`` from the extra config; a bad value is a ``ConfigError`` naming the key."""
+    extra = dict(extra or {})
+    interval = extra.get("stats_interval_s", 1.0)
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or not math.isfinite(interval) or interval < 0:
+        raise ConfigError(f"kv_connector_extra_config.stats_interval_s must be a number >= 0, not {interval!r}")
+    port = extra.get("metrics_port")
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+        raise ConfigError(f"kv_connector_extra_config.metrics_port must be a port number (0-65535), not {port!r}")
+    host = extra.get("metrics_host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"kv_connector_extra_config.metrics_host must be a host name or address, not {host!r}")
+    return ConnectorOptions(stats_interval_s=float(interval), metrics_port=port, metrics_host=host)
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CHUNK = 16 << 20
@@ -69,8 +104,6 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
         raise UnsupportedModelError(f"{name}: hybrid and attention-free models keep state hicache does not cache")
     if mc.get_sliding_window() is not None:
         raise UnsupportedModelError(f"{name}: sliding-window layers keep only part of the prefix")
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        raise UnsupportedModelError("the hicache vLLM connector supports tensor and pipeline parallel size 1")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kv_cache_dtype {cache_dtype!r}: only the model dtype ('auto') is supported")
@@ -89,6 +122,40 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
     }
 
 
+def worker_rank(vllm_config: Any) -> int:
+    """This worker's index among the engine's workers (its TP rank: pipeline parallelism is refused).
+
+    vLLM numbers workers DP x PP x TP and sets ``parallel_config.rank`` in each worker before it
+    builds the connector; the scheduler's process keeps the default 0.
+    """
+    pc = vllm_config.parallel_config
+    return int(getattr(pc, "rank", 0) or 0) % pc.tensor_parallel_size
+
+
+def parallel_section(vllm_config: Any) -> dict[str, Any]:
+    """hicache's ``parallel`` section for this worker: TP rank, TP size and the model's KV heads.
+
+    vLLM splits the KV heads in rank order and, with fewer heads than ranks, replicates each on
+    ``tp_size / heads`` consecutive ranks: the layout ``Namespace`` assumes. Pipeline and context
+    parallelism are refused (a stage's layer names would need offsetting, which vLLM's CPU build
+    cannot run here to test; context parallelism splits a request's tokens over ranks).
+    """
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1:
+        raise UnsupportedModelError(
+            f"pipeline_parallel_size {pc.pipeline_parallel_size}: the hicache vLLM connector supports "
+            "tensor parallelism only (pipeline_parallel_size 1)"
+        )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) != 1:
+            raise UnsupportedModelError(f"{name} {getattr(pc, name)}: a rank would hold only some of a request's tokens")
+    return {
+        "tp_rank": worker_rank(vllm_config),
+        "tp_size": pc.tensor_parallel_size,
+        "total_kv_heads": vllm_config.model_config.get_total_num_kv_heads(),
+    }
+
+
 def _explicit_page_size(path: str | None, overrides: Mapping[str, Any]) -> bool:
     if "page_size" in overrides or "HICACHE_PAGE_SIZE" in os.environ:
         return True
@@ -102,11 +169,19 @@ def _explicit_page_size(path: str | None, overrides: Mapping[str, Any]) -> bool:
 
 
 def cache_config_for(
-    vllm_config: Any, extra: Mapping[str, Any] | None = None, *, device: str = "cpu", fingerprint: bool = True
+    vllm_config: Any,
+    extra: Mapping[str, Any] | None = None,
+    *,
+    device: str = "cpu",
+    fingerprint: bool = True,
+    max_shutdown_s: float | None = None,
 ) -> HiCacheConfig:
     """The ``HiCacheConfig`` for a vLLM engine (``extra``: ``kv_connector_extra_config``).
 
     ``fingerprint=False`` skips hashing the weights (the scheduler side needs only the geometry).
+    ``max_shutdown_s``: how long vLLM lets the worker take to exit; ``controller.shutdown_timeout_s``
+    is cut to it (with a log line), so that the drain ends, and says what it could not write, before
+    vLLM kills the process.
     """
     extra = dict(extra or {})
     unknown = sorted(set(extra) - set(EXTRA_KEYS))
@@ -118,6 +193,7 @@ def cache_config_for(
         raise ConfigError("kv_connector_extra_config.overrides must be a mapping")
     block_size = vllm_config.cache_config.block_size
     model = _model_section(vllm_config)
+    parallel = parallel_section(vllm_config)
     base = load_config(path, overrides=user)
     if base.model.revision:
         model["revision"] = base.model.revision  # the operator's pin wins over the fingerprint
@@ -136,12 +212,21 @@ def cache_config_for(
     sched = vllm_config.scheduler_config
     staging = int(extra.get("staging_tokens") or (vllm_config.model_config.max_model_len + sched.max_num_batched_tokens))
     staging_pages = -(-staging // page_size)
-    probe = load_config(path, overrides=_merge(user, {"model": model, "page_size": page_size}))
-    derived = {
+    probe = load_config(path, overrides=_merge(user, {"model": model, "parallel": parallel, "page_size": page_size}))
+    derived: dict[str, Any] = {
         "model": model,
+        "parallel": parallel,
         "page_size": page_size,
         "tiers": {"device": {"capacity": staging_pages * probe.page_bytes, "device": device}},
     }
+    wanted = probe.controller.shutdown_timeout_s
+    if max_shutdown_s is not None and wanted > max_shutdown_s:
+        derived["controller"] = {"shutdown_timeout_s": max_shutdown_s}
+        log.info(
+            "hicache: the drain at shutdown is bounded at %.1f s (controller.shutdown_timeout_s=%.1f): vLLM kills "
+            "its worker then; raise VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (and --shutdown-timeout) to give it more",
+            max_shutdown_s, wanted,
+        )
     return load_config(path, overrides=_merge(user, derived))
 
 

@@ -3,8 +3,9 @@
 Per step (vLLM calls these in order): ``bind`` leases what the step needs (retrieve views for the
 loads, fresh device pages for the saves); before each layer's attention, ``before_layer`` waits
 for that layer of the views and copies it into vLLM's blocks; after it, ``after_layer`` copies the
-layer's new pages out into the reserved pages; ``end_step`` commits the saved pages (hicache then
-backs them up to the host tier and storage in the background) and releases every lease. A load
+layer's new pages out into the reserved pages; ``end_step`` hands the step to the cache's loop,
+which commits the saved pages (hicache then backs them up to the host tier and storage in the
+background) and releases every lease, steps in order, while vLLM goes on with the next step. A load
 that comes up short is reported as failed blocks, which vLLM recomputes
 (``kv_load_failure_policy="recompute"``); a request whose load failed saves nothing that step.
 """
@@ -12,6 +13,7 @@ that comes up short is reported as failed blocks, which vLLM recomputes
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +23,11 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from ...config import HiCacheConfig
 from ...errors import HiCacheError
+from .cpus import reserved_cpus, use_cpus
 from .layout import BlockLayout, PageMap
 from .metadata import HiCacheMetadata, LoadSpec
 from .service import CacheService, StepLeases
+from .settings import ConnectorOptions
 
 __all__ = ["WorkerSide"]
 
@@ -44,8 +48,11 @@ class _Step:
 class WorkerSide:
     """Owns the event-loop thread, the ``CacheService`` in it, and vLLM's per-layer KV tensors."""
 
-    def __init__(self, config: HiCacheConfig, block_size: int, socket_path: str) -> None:
+    def __init__(
+        self, config: HiCacheConfig, block_size: int, socket_path: str, options: ConnectorOptions | None = None
+    ) -> None:
         self.config = config
+        self.options = options or ConnectorOptions()
         self.layout = BlockLayout(
             block_size=block_size,
             page_size=config.page_size,
@@ -59,6 +66,7 @@ class WorkerSide:
         self.service: CacheService | None = None
         self._step: _Step | None = None
         self._errors: set[int] = set()
+        self._exported = 0  # sequence number of the last export handed to vLLM
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -73,8 +81,13 @@ class WorkerSide:
             self.layers[name] = (extract_layer_index(name), kv)
         try:
             self.portal = self._exit.enter_context(start_blocking_portal())
+            cpus = reserved_cpus()
+            if cpus is not None:  # before the cache starts: its I/O threads inherit the loop thread's CPUs
+                self.portal.call(use_cpus, cpus[1])
+                log.info("hicache: the cache's threads run on CPUs %s (vLLM's reserved cores; its OpenMP threads "
+                         "are bound to %s)", sorted(cpus[1]), sorted(cpus[0]))
             self.service = self._exit.enter_context(
-                self.portal.wrap_async_context_manager(CacheService(self.config, self.socket_path))
+                self.portal.wrap_async_context_manager(CacheService(self.config, self.socket_path, self.options))
             )
         except BaseException:
             self._exit.close()
@@ -85,9 +98,28 @@ class WorkerSide:
         )
 
     def shutdown(self) -> None:
+        """Close the cache: its drain writes what the write policy owes storage (logged with counts)."""
+        if self.service is not None:
+            log.info(
+                "hicache: shutting down; draining what the %s policy owes storage (at most %.1f s)",
+                self.config.policies.write, self.config.controller.shutdown_timeout_s,
+            )
         self._exit.close()
         self.portal = None
         self.service = None
+
+    def take_export(self) -> list[Any] | None:
+        """The service's newest metrics export, if vLLM has not had it yet (never waits on the loop)."""
+        service = self.service
+        if service is None:
+            return None
+        started = time.perf_counter()
+        payload = service.payload
+        if payload is None or payload[0] == self._exported:
+            return None
+        self._exported = payload[0]
+        service.worker_profile.add("stats", time.perf_counter() - started)
+        return payload[1]
 
     @property
     def _portal(self) -> BlockingPortal:
@@ -103,6 +135,14 @@ class WorkerSide:
 
     def bind(self, meta: HiCacheMetadata) -> None:
         """Lease the step's views and reservations; plan the per-layer copies."""
+        started = time.perf_counter()
+        try:
+            self._bind(meta)
+        finally:
+            if self.service is not None:
+                self.service.worker_profile.add("bind", time.perf_counter() - started)
+
+    def _bind(self, meta: HiCacheMetadata) -> None:
         if self._step is not None:
             self.end_step()  # a step vLLM ended without wait_for_save: release it first
         step = _Step(meta)
@@ -151,6 +191,13 @@ class WorkerSide:
         step = self._step
         if step is None or step.load_map is None or name not in self.layers:
             return
+        started = time.perf_counter()
+        try:
+            self._load_layer(step, name)
+        finally:
+            self._service.worker_profile.add("load", time.perf_counter() - started)
+
+    def _load_layer(self, step: _Step, name: str) -> None:
         layer, kv = self.layers[name]
         views = [v for _, _, v in step.loads]
         if not all(v.is_layer_ready(layer) for v in views):
@@ -173,20 +220,24 @@ class WorkerSide:
         step = self._step
         if step is None or step.save_map is None or name not in self.layers:
             return
+        started = time.perf_counter()
         layer, _ = self.layers[name]
         self.layout.save(kv, self._service.cache.device_kv[:, layer], step.save_map)  # type: ignore[union-attr]
+        self._service.worker_profile.add("save", time.perf_counter() - started)
 
     def end_step(self) -> None:
         """Commit what was saved, record what was loaded, release every lease of the step."""
         step, self._step = self._step, None
         if step is None or step.leases is None:
             return
-        service = self._service
+        started = time.perf_counter()
         try:
-            if step.save_map is not None:
-                self._portal.call(service.commit, step.leases, step.meta.saves, step.failed_reqs)
+            self._end_step(step)
         finally:
-            self._portal.call(service.close_step, step.leases)
+            self._service.worker_profile.add("commit", time.perf_counter() - started)
+
+    def _end_step(self, step: _Step) -> None:
+        service = self._service
         ps = self.layout.page_size
         loaded = {spec.req_id: (spec, m, v) for spec, m, v in step.loads}
         records = []
@@ -198,9 +249,9 @@ class WorkerSide:
             records.append((spec.req_id, tokens, by_tier, failed))
             if tokens:
                 log.info("hicache: loaded %d tokens for %s %s", tokens, spec.req_id, by_tier)
-        if records:
-            self._portal.call(service.record_loads, records)  # on the loop thread, like every other change
         self._errors |= step.failed_blocks
+        saves = step.meta.saves if step.save_map is not None else None
+        service.schedule_finish(step.leases, saves, step.failed_reqs, records)  # returns at once
 
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

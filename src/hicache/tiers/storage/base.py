@@ -38,16 +38,17 @@ backends the timeout bounds the wait between batches, not a stuck system call.
 
 from __future__ import annotations
 
+import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from ...errors import (
     CacheClosedError,
@@ -62,7 +63,9 @@ from ...keys import KEY_BYTES
 from ...stats import HistogramSnapshot, LatencyHistogram
 from .page_format import HEADER_BYTES
 
-__all__ = ["BackendSettings", "PageIO", "StorageBackend", "StorageBackendStats", "StoredPage"]
+__all__ = [
+    "BackendSettings", "PageIO", "StorageBackend", "StorageBackendStats", "StoredPage", "fits", "scatter", "settings_environ",
+]
 
 _VERBS = ("exists", "get", "set", "delete", "clear", "list")
 
@@ -107,6 +110,31 @@ class PageIO(NamedTuple):
     def buffers(self) -> list[memoryview]:
         """Header then payload pieces: what one ``preadv``/``writev`` takes."""
         return [self.header, *self.payload]
+
+
+def settings_environ(info: ValidationInfo) -> Mapping[str, str]:
+    """The environment a backend's settings may read while they are validated: this process's for
+    its own configuration, none for an entry that came in a request (``config.REQUEST_CONTEXT``, the
+    admin endpoint), so a request can never make the server put a variable's value to use."""
+    return (info.context or {}).get("environ", os.environ)
+
+
+def fits(size: int, room: int, sizes: list[int] | None) -> bool:
+    """Whether a stored page of ``size`` bytes is one to read into ``room`` bytes of buffers:
+    exactly that size, or with ``sizes`` (pages of varying size) a header and at most ``room``."""
+    return size == room if sizes is None else HEADER_BYTES <= size <= room
+
+
+def scatter(blob: Any, io: PageIO) -> None:
+    """Copy ``blob`` (a stored page) into ``io``'s buffers from the start, as far as it goes."""
+    view = memoryview(blob).cast("B")
+    pos, end = 0, len(view)
+    for buf in io.buffers():
+        if pos >= end:
+            break
+        n = min(len(buf), end - pos)
+        buf[:n] = view[pos : pos + n]
+        pos += n
 
 
 class BackendSettings(BaseModel):
@@ -180,6 +208,9 @@ class StorageBackend(ABC):
     max_batch: ClassVar[int] = 256
     #: Whether ``list_pages`` works (the backend implements ``_list``).
     can_list: ClassVar[bool] = False
+    #: Whether ``get(..., sizes=)`` works (the backend implements ``_get_sized``): pages of varying
+    #: size, as a tier with a codec chain stores them.
+    variable_size_pages: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         try:
@@ -239,17 +270,31 @@ class StorageBackend(ABC):
                 break
         return found
 
-    async def get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+    async def get(self, keys: Sequence[bytes], into: Sequence[PageIO], *, sizes: list[int] | None = None) -> int:
         """Read pages ``keys`` into ``into``; return how many consecutive pages landed.
 
         Buffers past the returned count hold unspecified bytes. Nothing is verified here: the
         caller checks each header (``PageCodec.check``) before using a page.
+
+        ``sizes`` (a list as long as ``keys``; backends with ``variable_size_pages``): pages have
+        varying sizes (a codec chain's), each ``into[i]`` is room for at most ``into[i].nbytes``, a
+        page is read whole from the start of the buffers and ``sizes[i]`` set to its length; a
+        page larger than its room, or shorter than a header, ends the count. Without ``sizes``,
+        a page whose size is not exactly its buffers' ends it.
         """
         self._check_keys(keys)
         self._check_pages(keys, into)
-        done = await self._transfer("get", self._get, keys, into)
+        if sizes is None:
+            done = await self._transfer("get", self._get, keys, into)
+            self._bytes_read += sum(io.nbytes for io in into[:done])
+        else:
+            if not type(self).variable_size_pages:
+                raise InvalidRequestError(f"the {self.kind} backend reads pages of one size only")
+            if len(sizes) != len(keys):
+                raise InvalidRequestError(f"{len(keys)} keys but {len(sizes)} sizes")
+            done = await self._transfer("get", self._get_sized, keys, into, sizes)
+            self._bytes_read += sum(sizes[:done])
         self._pages_read += done
-        self._bytes_read += sum(io.nbytes for io in into[:done])
         return done
 
     async def set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
@@ -370,6 +415,12 @@ class StorageBackend(ABC):
         A page that is missing, or whose stored size differs from the buffers, ends the count.
         """
 
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        """Like ``_get``, for pages of varying size: a page fits if ``HEADER_BYTES <= size <=
+        into[i].nbytes``; it is read from the start of the buffers and ``sizes[i]`` set. Only
+        called when ``variable_size_pages`` is set."""
+        raise NotImplementedError
+
     @abstractmethod
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
         """Store each page's ``buffers()``, joined, atomically; return the consecutive count."""
@@ -412,12 +463,20 @@ class StorageBackend(ABC):
             if len(io.header) != HEADER_BYTES:
                 raise InvalidRequestError(f"a page header buffer is {HEADER_BYTES} bytes, got {len(io.header)}")
 
-    async def _transfer(self, verb: str, fn: Any, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+    async def _transfer(
+        self, verb: str, fn: Any, keys: Sequence[bytes], pages: Sequence[PageIO], sizes: list[int] | None = None
+    ) -> int:
         """Call ``fn`` on ``max_batch`` pages at a time until one batch falls short."""
         done = 0
         for start in range(0, len(keys), self.max_batch):
             chunk = keys[start : start + self.max_batch]
-            n = min(max(await self._call(verb, fn, chunk, pages[start : start + len(chunk)]), 0), len(chunk))
+            args: tuple[Any, ...] = (chunk, pages[start : start + len(chunk)])
+            if sizes is not None:
+                part = [0] * len(chunk)
+                args += (part,)
+            n = min(max(await self._call(verb, fn, *args), 0), len(chunk))
+            if sizes is not None:
+                sizes[start : start + n] = part[:n]
             done += n
             if n < len(chunk):
                 break

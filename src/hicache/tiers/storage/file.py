@@ -13,7 +13,8 @@ Layout: ``<path>/<first two hex digits of the key>/<32 hex digits>.kv``, each fi
   trace 7-8 ms per call, two per page (75% of the writer threads' time), and one store's backup and
   writes take 32 ms with it against 21 ms without (``benchmarks/background_cost.py``, README).
 * **Capacity**: bytes of page files this process knows of; the least recently used files are
-  deleted to make room. Reads refresh a file's mtime, so recency survives restarts.
+  deleted to make room. Reads refresh a file's mtime, so recency survives restarts (not those of
+  ``hicache inspect``, which opens the tier with ``touch_on_read: false``).
 * **Restarts and other processes**: the index is rebuilt from the directory at ``open`` (oldest
   mtime first), and ``exists`` looks on disk for keys it does not know, so pages written by another
   process since are found. Several processes may share a directory; each enforces ``capacity`` on
@@ -50,16 +51,16 @@ import os
 import re
 import stat
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 import anyio
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ...config import ByteSize
 from ...errors import ConfigError
-from .base import BackendSettings, PageIO, StorageBackend, StoredPage
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage, settings_environ
 from .lru_index import LruIndex
 from .page_files import CORRUPT, SUFFIX, Folder, Refused, delete_pages, read_pages, unlink_at, write_pages
 from .page_format import HEADER_BYTES
@@ -74,29 +75,43 @@ _PAGE_READ_ONLY = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_C
 _VAR = re.compile(r"\$(?P<name>[A-Za-z_][A-Za-z0-9_]*)")  # $VAR; ${VAR} is load_config's (strict there)
 
 
-def expand_path(path: str) -> Path:
-    """``~`` and ``$VAR`` expanded; ``ValueError`` naming a variable that is not set.
+def expand_path(path: str, environ: Mapping[str, str] = os.environ) -> Path:
+    """``~`` and ``$VAR`` (from ``environ``) expanded; ``ValueError`` naming a variable that is not set.
 
     ``${VAR}`` is expanded (strictly) by ``load_config``; what reaches here in that form was written
     ``$${VAR}`` there, a literal. ``os.path.expandvars`` would leave an unset ``$VAR`` as it is, and
-    a folder named ``$VAR`` would appear.
+    a folder named ``$VAR`` would appear. An entry sent to the admin endpoint is expanded from no
+    environment (``settings_environ``): any ``$VAR`` in it is an error, ``~`` the one thing expanded.
     """
 
     def value(match: re.Match[str]) -> str:
         name = match["name"]
-        if name not in os.environ:
+        if name not in environ:
+            if environ is os.environ:
+                raise ValueError(
+                    f"environment variable {name} in path {path!r} is not set: set it, or write the path out"
+                )
             raise ValueError(
-                f"environment variable {name} in path {path!r} is not set: set it, or write the path out"
+                f"path {path!r} names the environment variable {name}, and an entry sent to the admin endpoint is "
+                "expanded from no environment: write the path out (`hicache admin attach` expands ${VAR} from "
+                "your shell)"
             )
-        return os.environ[name]
+        return environ[name]
 
     return Path(_VAR.sub(value, path)).expanduser()
+
+
+def shown_path(path: str, where: Path) -> str:
+    """How a message names the folder: as written when a variable is in it (its value may be a
+    secret, and no message shows what a variable holds), else as expanded."""
+    return repr(path) if _VAR.search(path) else repr(str(where))
 
 
 class FileBackend(StorageBackend):
     kind = "file"
     max_batch = 64
     can_list = True
+    variable_size_pages = True
 
     class Settings(BackendSettings):
         path: str = Field(min_length=1)
@@ -104,13 +119,18 @@ class FileBackend(StorageBackend):
         fsync: Literal["always", "never"] = "never"  # pages are checksummed and renamed into place
         write_threads: int = Field(default=8, ge=1, le=64, strict=True)
         read_ahead: int = Field(default=64, ge=0, le=256, strict=True)
+        #: Reads refresh each page file's mtime (the recency eviction and restarts go by) and remove
+        #: an unusable entry. ``hicache inspect`` reads with ``false``: a reader that changes nothing.
+        touch_on_read: bool = True
 
         @field_validator("path")
         @classmethod
-        def _usable_path(cls, path: str) -> str:
-            where = expand_path(path)
+        def _usable_path(cls, path: str, info: ValidationInfo) -> str:
+            where = expand_path(path, settings_environ(info))
             if where.exists() and not where.is_dir():
-                raise ValueError(f"{str(where)!r} is a file, not a folder: point `path` at a folder (created if missing)")
+                raise ValueError(
+                    f"{shown_path(path, where)} is a file, not a folder: point `path` at a folder (created if missing)"
+                )
             return path
 
     settings: Settings
@@ -118,6 +138,7 @@ class FileBackend(StorageBackend):
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
         self.root = expand_path(self.settings.path)
+        self._shown = shown_path(self.settings.path, self.root)  # the folder, as messages name it
         self._index = LruIndex(self.settings.capacity)  # key -> file size, least recently used first
         self._write_limiter = anyio.CapacityLimiter(self.settings.write_threads)
         self._refused: set[str] = set()  # shard folders already reported as links (logged once each)
@@ -150,15 +171,15 @@ class FileBackend(StorageBackend):
         try:
             found = await anyio.to_thread.run_sync(self._scan)
         except OSError as exc:
-            raise ConfigError(
-                f"file tier: cannot use {str(self.root)!r} as its folder ({exc.strerror or exc}): set `path` to a "
-                "folder this process can create, read and write"
-            ) from exc
+            raise ConfigError(  # strerror only: str(exc) would name the expanded path
+                f"file tier: cannot use {self._shown} as its folder ({exc.strerror or type(exc).__name__}): set "
+                "`path` to a folder this process can create, read and write"
+            ) from None
         found.sort(key=lambda item: item[2])
         self._index.clear()
         for key, size, _ in found:  # oldest first
             self._index.remember(key, size)
-        log.debug("file backend %s: %d pages, %d bytes", self.root, len(self._index), self._index.used)
+        log.debug("file backend %s: %d pages, %d bytes", self._shown, len(self._index), self._index.used)
 
     def _scan(self, remove: bool = False) -> list[tuple[bytes, int, float]]:
         """Every page file under the root as ``(key, size, mtime)``; stale temporaries removed.
@@ -200,6 +221,12 @@ class FileBackend(StorageBackend):
         return self._index.used, self.settings.capacity, len(self._index)
 
     # -- listing (hicache inspect) --------------------------------------------------------------
+
+    @classmethod
+    def inspection_options(cls, options: dict[str, object]) -> dict[str, object]:
+        """A reader leaves each page's mtime (the last use ``summary`` and ``purge --older-than`` go
+        by) and the folder as they are."""
+        return {**options, "touch_on_read": False}
 
     async def _list(self) -> AsyncIterator[list[StoredPage]]:
         """One batch per shard folder, each listed in a worker thread; nothing is followed or changed.
@@ -301,19 +328,26 @@ class FileBackend(StorageBackend):
         return len(keys)
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        return await self._read(keys, into, None)
+
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        return await self._read(keys, into, sizes)
+
+    async def _read(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int] | None) -> int:
         places = [self._place(k) for k in keys]
         done, problem = await anyio.to_thread.run_sync(
-            read_pages, self.root, self._refused, places, into, self.settings.read_ahead
+            read_pages, self.root, self._refused, places, into, self.settings.read_ahead,
+            self.settings.touch_on_read, sizes,
         )
-        for key, io in zip(keys[:done], into[:done], strict=True):
-            self._remember(key, io.nbytes)
+        for i, (key, io) in enumerate(zip(keys[:done], into[:done], strict=True)):
+            self._remember(key, io.nbytes if sizes is None else sizes[i])
         if problem is not None:
             self._forget(keys[done])
             if problem in CORRUPT:
                 # Not a page of ours (torn write under fsync=never, another writer's file, a FIFO or a
                 # link planted there): counted; removed in the thread where that was safe.
                 self.corrupt_pages += 1
-                log.debug("file backend %s: page %s unusable (%s)", self.root, keys[done].hex(), problem)
+                log.debug("file backend %s: page %s unusable (%s)", self._shown, keys[done].hex(), problem)
         return done
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 
 from ...config import ByteSize
-from .base import BackendSettings, PageIO, StorageBackend, StoredPage
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage, fits, scatter
 
 __all__ = ["MemoryBackend"]
 
@@ -18,6 +18,7 @@ __all__ = ["MemoryBackend"]
 class MemoryBackend(StorageBackend):
     kind = "memory"
     can_list = True
+    variable_size_pages = True
 
     class Settings(BackendSettings):
         capacity: ByteSize = 1024**3
@@ -36,15 +37,20 @@ class MemoryBackend(StorageBackend):
         return len(keys)
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        return self._read(keys, into, None)
+
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        return self._read(keys, into, sizes)
+
+    def _read(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int] | None) -> int:
         for i, (key, io) in enumerate(zip(keys, into, strict=True)):
             blob = self._pages.get(key)
-            if blob is None or len(blob) != io.nbytes:
+            if blob is None or not fits(len(blob), io.nbytes, sizes):
                 return i
             self._pages.move_to_end(key)
-            pos = 0
-            for buf in io.buffers():
-                buf[:] = blob[pos : pos + len(buf)]
-                pos += len(buf)
+            scatter(blob, io)
+            if sizes is not None:
+                sizes[i] = len(blob)
         return len(keys)
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:

@@ -44,7 +44,7 @@ from pydantic import BeforeValidator, Field
 
 from ...config import ByteSize, parse_size
 from ...errors import ListingUnsupportedError, StorageBackendError
-from .base import BackendSettings, PageIO, StorageBackend, StoredPage
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage, fits
 from .lru_index import LruIndex
 from .page_format import HEADER_BYTES
 
@@ -102,10 +102,22 @@ def _root(buf: memoryview) -> tuple[object, int, int] | None:
     return obj, _address(whole.cast("B") if whole.ndim != 1 or whole.format != "B" else whole), whole.nbytes
 
 
+def _trimmed(io: PageIO, size: int) -> PageIO:
+    """``io``'s header and the start of its payload pieces: exactly ``size`` bytes in all."""
+    left, pieces = size - len(io.header), []
+    for piece in io.payload:
+        if left <= 0:
+            break
+        pieces.append(piece[: min(len(piece), left)])
+        left -= len(pieces[-1])
+    return PageIO(io.header, tuple(pieces))
+
+
 class MooncakeBackend(StorageBackend):
     kind = "mooncake"
     max_batch = 64
     can_list = True  # through the master's admin port (``admin_url``); the client cannot list
+    variable_size_pages = True
 
     class Settings(BackendSettings):
         master: str = "127.0.0.1:50051"
@@ -317,6 +329,28 @@ class MooncakeBackend(StorageBackend):
             done = await self._run(lambda store: self._get_sync(store, names[:present], into[:present]), abandon=False)
         for key, io in zip(keys[:done], into[:done], strict=True):
             self._index.remember(key, io.nbytes)
+        if done < len(keys):
+            self._index.forget(keys[done])
+        return done
+
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        """Pages of varying size: their sizes from the master first (``get_size``), then one transfer
+        of the pages that fit, each into the start of its buffers."""
+        names = [self._name(k) for k in keys]
+        present = await self._run(lambda store: self._present(store, names))
+        found: list[int] = []
+        if present:
+            found = await self._run(lambda store: [int(store.get_size(n)) for n in names[:present]])
+        fit = 0
+        while fit < len(found) and fits(found[fit], into[fit].nbytes, sizes):
+            fit += 1
+        done = 0
+        if fit:
+            trimmed = [_trimmed(io, size) for io, size in zip(into[:fit], found[:fit], strict=True)]
+            done = await self._run(lambda store: self._get_sync(store, names[:fit], trimmed), abandon=False)
+        sizes[:done] = found[:done]
+        for key, size in zip(keys[:done], found[:done], strict=True):
+            self._index.remember(key, size)
         if done < len(keys):
             self._index.forget(keys[done])
         return done

@@ -17,7 +17,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from .base import PageIO
+from .base import PageIO, fits
 
 __all__ = ["CORRUPT", "SUFFIX", "Folder", "Refused", "delete_pages", "read_pages", "unlink_at", "write_pages"]
 
@@ -149,12 +149,12 @@ def _writev(fd: int, buffers: list[memoryview]) -> None:
             raise OSError("short write")
 
 
-def _open_page(folder: Folder, shard: str, name: str) -> int | str:
+def _open_page(folder: Folder, shard: str, name: str, tidy: bool = True) -> int | str:
     """A descriptor of the regular file ``shard/name``, or why there is none (see ``_CORRUPT``).
 
     ``O_NONBLOCK``: opening a FIFO would otherwise wait for a writer, in a thread no timeout reaches.
-    Whatever is not a usable regular file is removed here when that is safe (the entry itself,
-    never a link's target; a folder in a page's place stays).
+    With ``tidy``, whatever is not a usable regular file is removed here when that is safe (the
+    entry itself, never a link's target; a folder in a page's place stays).
     """
     try:
         sfd = folder.shard(shard)
@@ -169,21 +169,28 @@ def _open_page(folder: Folder, shard: str, name: str) -> int | str:
     except OSError as exc:
         # A symbolic link (ELOOP), a socket (ENXIO), a file we may not read (EACCES, EPERM): none is
         # a page we can use, and the entry itself is removed so a later store can write the page.
-        unlink_at(sfd, name)
+        if tidy:
+            unlink_at(sfd, name)
         return {errno.ELOOP: "link", errno.ENXIO: "special"}.get(exc.errno or 0, "unreadable")
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        unlink_at(sfd, name)
+        if tidy:
+            unlink_at(sfd, name)
         return "special"
     return fd
 
 
 def read_pages(
-    root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int
+    root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int,
+    touch: bool = True,
+    sizes: list[int] | None = None,
 ) -> tuple[int, str | None]:
     """Read consecutive pages until one is missing or unusable; ``(count, problem)``.
 
-    Every descriptor opened here is closed before it returns, whatever happens.
+    ``touch``: the cache's read, which refreshes each page's mtime and removes an unusable entry;
+    without it a reader's (``hicache inspect``), which changes nothing. With ``sizes``, pages vary
+    in size (``StorageBackend.get``): each fills its buffers from the start and its size is
+    recorded. Every descriptor opened here is closed before it returns, whatever happens.
     """
     fds: dict[int, int | str] = {}
     n = len(places)
@@ -192,7 +199,7 @@ def read_pages(
             try:
 
                 def announce(j: int) -> None:
-                    got = fds[j] = _open_page(folder, *places[j])
+                    got = fds[j] = _open_page(folder, *places[j], tidy=touch)
                     if read_ahead and isinstance(got, int):
                         os.posix_fadvise(got, 0, 0, os.POSIX_FADV_WILLNEED)  # start the disk read now
 
@@ -207,16 +214,20 @@ def read_pages(
                     if isinstance(fd, str):
                         return i, fd
                     try:
-                        expected = into[i].nbytes
-                        if os.fstat(fd).st_size != expected or _preadv(fd, into[i].buffers()) != expected:
+                        size = os.fstat(fd).st_size
+                        if not fits(size, into[i].nbytes, sizes) or _preadv(fd, into[i].buffers()) != size:
                             sfd = folder.shard(places[i][0])
                             assert sfd is not None  # the page was opened in it
-                            unlink_at(sfd, places[i][1])
+                            if touch:
+                                unlink_at(sfd, places[i][1])
                             return i, "size"
-                        try:
-                            os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
-                        except OSError:
-                            pass  # another user's file in a shared folder: read, but not ours to touch
+                        if sizes is not None:
+                            sizes[i] = size
+                        if touch:
+                            try:
+                                os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
+                            except OSError:
+                                pass  # another user's file in a shared folder: read, but not ours to touch
                     finally:
                         os.close(fd)
                 return n, None
@@ -232,7 +243,8 @@ def write_pages(
     root: Path, refused: set[str], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
     drop: list[tuple[str, str]],
 ) -> list[bool]:
-    """Write each page atomically (temporary file, fsync, rename) in its shard; delete ``drop`` first."""
+    """Write each page atomically (an unnamed file linked into place, or a temporary file renamed;
+    fsynced before, with its folder after, under ``fsync``) in its shard; delete ``drop`` first."""
     results: list[bool] = []
     with Folder(root, refused, create=True) as folder:
         _unlink_places(folder, drop)
@@ -244,20 +256,11 @@ def write_pages(
                 results.append(False)
                 continue
             assert sfd is not None  # created
-            tmp = f".{name.removesuffix(SUFFIX)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
             try:
-                fd = os.open(tmp, _PAGE_WRITE, 0o644, dir_fd=sfd)
-                try:
-                    _writev(fd, io.buffers())
-                    if fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                # rename replaces whatever entry is there (a forged page, a FIFO, a link) itself
-                os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
+                if not (_anonymous[0] and _write_anonymous(sfd, name, io, fsync)):
+                    _write_renamed(sfd, name, io, fsync)
             except OSError as exc:
                 log.warning("file backend: cannot write %s/%s: %s", shard, name, exc)
-                unlink_at(sfd, tmp)
                 results.append(False)
                 continue
             shards.add(sfd)
@@ -266,6 +269,71 @@ def write_pages(
             for sfd in shards:  # make the renames durable
                 os.fsync(sfd)
     return results
+
+
+# Whether this file system takes O_TMPFILE and /proc/self/fd links (checked on the first write).
+_anonymous = [hasattr(os, "O_TMPFILE")]
+_NO_TMPFILE = {errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT, errno.EXDEV}
+
+
+def _tmp_name(name: str) -> str:
+    return f".{name.removesuffix(SUFFIX)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _write_anonymous(sfd: int, name: str, io: PageIO, fsync: bool) -> bool:
+    """Write the page into a file without a name (``O_TMPFILE``), then give it its name in one
+    ``linkat``: the name appears only for the whole page, as with a rename, and a new page costs one
+    directory entry instead of a temporary one created and renamed. A name already taken (the page
+    rewritten, or something planted there) goes through a temporary name and a rename, which
+    replaces the entry itself. ``False``: the file system cannot (nothing was written)."""
+    try:
+        fd = os.open(".", os.O_WRONLY | os.O_TMPFILE | _CLOEXEC, 0o644, dir_fd=sfd)
+    except OSError as exc:
+        if exc.errno in _NO_TMPFILE:
+            _anonymous[0] = False
+            return False
+        raise
+    try:
+        _writev(fd, io.buffers())
+        if fsync:
+            os.fsync(fd)
+        source = f"/proc/self/fd/{fd}"
+        try:
+            os.link(source, name, dst_dir_fd=sfd, follow_symlinks=True)
+        except FileExistsError:
+            tmp = _tmp_name(name)
+            os.link(source, tmp, dst_dir_fd=sfd, follow_symlinks=True)
+            try:
+                os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
+            except OSError:
+                unlink_at(sfd, tmp)
+                raise
+        except OSError as exc:
+            if exc.errno not in _NO_TMPFILE:
+                raise
+            _anonymous[0] = False  # no /proc to link from: the rename path from now on
+            return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _write_renamed(sfd: int, name: str, io: PageIO, fsync: bool) -> None:
+    """Write the page to a temporary file and rename it over ``name`` (which replaces whatever entry
+    is there, a forged page, a FIFO or a link, itself)."""
+    tmp = _tmp_name(name)
+    try:
+        fd = os.open(tmp, _PAGE_WRITE, 0o644, dir_fd=sfd)
+        try:
+            _writev(fd, io.buffers())
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
+    except OSError:
+        unlink_at(sfd, tmp)
+        raise
 
 
 def _unlink_places(folder: Folder, places: list[tuple[str, str]]) -> None:

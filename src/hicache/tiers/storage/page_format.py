@@ -25,6 +25,17 @@ Two modes (see the README's "Security model"):
   (``benchmarks/page_mac.py``), and releases the GIL, so the tier's worker thread checks one
   batch while the next one is read.
 
+* **A codec chain** (formats 3 and 4: a tier's ``codec:`` list, ``codecs/``): the header also records
+  the ids of the stages applied (up to 4 bytes), the payload is what the last stage produced
+  (its length in the header), and the namespace is the chain's variant of the namespace digest
+  (``keys.variant_digest``), so storage names and the namespace field differ from those of exact
+  pages and of other chains: a reader that asked for exact KV never receives a quantised page.
+  Format 3 is unkeyed (xxh3-64 over the header fields and the stored payload, or nothing where
+  the chain encrypts), format 4 keyed (the BLAKE3 MAC, or nothing where it encrypts): with
+  ``aes-gcm`` in the chain the GCM tag authenticates the header fields (associated data) and the
+  ciphertext, standing in for the checksum or MAC. The check runs on the stored bytes before any
+  stage decodes them.
+
 A page is used only if every field matches what the reader expects and the check value is right:
 a truncated, corrupted, forged, foreign (another model, geometry or tenant) or misplaced page is a
 *miss*, never data handed to an engine.
@@ -42,18 +53,22 @@ from typing import Any
 import blake3
 import xxhash
 
-from ...keys import KEY_BYTES, TenantKey
+from ...keys import KEY_BYTES, TenantKey, variant_digest
 from ..base import KVGeometry
+from .codecs import CodecChain, CodecError, name_of_id, run_decode, run_encode
 
 __all__ = [
-    "HEADER_BYTES", "FORMAT_VERSION", "KEYED_FORMAT_VERSION", "MAGIC", "PageCodec", "PageHeader", "StoredPageCheck",
-    "check_stored_page", "parse_header",
+    "CODEC_FORMAT_VERSION", "HEADER_BYTES", "FORMAT_VERSION", "KEYED_CODEC_FORMAT_VERSION", "KEYED_FORMAT_VERSION",
+    "MAGIC", "PageCodec", "PageHeader", "StoredPageCheck", "check_stored_page", "parse_header",
 ]
 
 MAGIC = b"HICACHE\x00"
 FORMAT_VERSION = 1  # xxh3-64 checksum, no key
 KEYED_FORMAT_VERSION = 2  # keyed BLAKE3 MAC
+CODEC_FORMAT_VERSION = 3  # a codec chain, unkeyed: xxh3-64 (or the AEAD tag)
+KEYED_CODEC_FORMAT_VERSION = 4  # a codec chain, keyed: BLAKE3 MAC (or the AEAD tag)
 HEADER_BYTES = 128
+_CODEC_IDS = 4  # stage ids recorded in a format 3/4 header
 
 # magic, version, header bytes, namespace, key, C, L, page_size, H, D, dtype, payload length
 _FIELDS = struct.Struct(f"<8sHH{KEY_BYTES}s{KEY_BYTES}sIIIII16sQ")
@@ -61,6 +76,10 @@ _CHECKSUM = struct.Struct("<Q")
 _CHECKSUM_AT = _FIELDS.size
 _MAC_BYTES = 32
 assert _CHECKSUM_AT + max(_CHECKSUM.size, _MAC_BYTES) <= HEADER_BYTES
+# formats 3 and 4: the same fields, then the codec ids (zero-padded) and 4 reserved zero bytes
+_CODEC_FIELDS = struct.Struct(f"<8sHH{KEY_BYTES}s{KEY_BYTES}sIIIII16sQ{_CODEC_IDS}s4x")
+_CODEC_CHECK_AT = _CODEC_FIELDS.size
+assert _CODEC_CHECK_AT + _MAC_BYTES <= HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -74,22 +93,30 @@ class PageCodec:
     namespace: bytes
     geometry: KVGeometry
     tenant_key: TenantKey | None = field(default=None, repr=False, compare=False)
+    #: The tier's codec stages (none: formats 1 and 2, the payload is the KV itself, read in place).
+    chain: CodecChain = field(default_factory=CodecChain, compare=False)
     # Derived in __post_init__ (never shown):
     _mac_key: bytes | None = field(init=False, default=None, repr=False, compare=False)
     _names: Any = field(init=False, default=None, repr=False, compare=False)  # a keyed BLAKE2b to copy
     _namespace_field: bytes = field(init=False, default=b"", repr=False, compare=False)
+    _ids: bytes = field(init=False, default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        ids = self.chain.ids
+        # A chain's pages are another namespace: other names, another namespace field, other keys.
+        namespace = variant_digest(self.namespace, "codec:" + self.chain.variant) if ids else self.namespace
         if self.tenant_key is None:
-            mac_key = name_key = None
-            namespace_field = self.namespace
+            mac_key = None
+            name_key = namespace if ids else None  # exact pages keep the page key as their name
+            namespace_field = namespace
         else:
-            mac_key = self.tenant_key.derive("page-mac", self.namespace)
-            name_key = self.tenant_key.derive("page-name", self.namespace)
+            mac_key = self.tenant_key.derive("page-mac", namespace)
+            name_key = self.tenant_key.derive("page-name", namespace)
             namespace_field = hashlib.blake2b(b"namespace-id", key=mac_key, digest_size=KEY_BYTES).digest()
         object.__setattr__(self, "_mac_key", mac_key)
         object.__setattr__(self, "_names", None if name_key is None else hashlib.blake2b(key=name_key, digest_size=16))
         object.__setattr__(self, "_namespace_field", namespace_field)
+        object.__setattr__(self, "_ids", ids)
 
     @property
     def keyed(self) -> bool:
@@ -98,11 +125,24 @@ class PageCodec:
 
     @property
     def version(self) -> int:
+        if self._ids:
+            return KEYED_CODEC_FORMAT_VERSION if self.keyed else CODEC_FORMAT_VERSION
         return KEYED_FORMAT_VERSION if self.keyed else FORMAT_VERSION
 
     @property
     def payload_bytes(self) -> int:
+        """Bytes of the page's KV (the logical payload)."""
         return self.geometry.page_bytes
+
+    @property
+    def encoded(self) -> bool:
+        """True when pages go through a codec chain (stored size varies; read into staging buffers)."""
+        return bool(self._ids)
+
+    @property
+    def max_stored_bytes(self) -> int:
+        """The largest stored payload a page of this codec can have."""
+        return self.chain.max_stored_bytes(self.payload_bytes)
 
     def storage_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """What each page key is stored under: itself without a tenant key, a keyed hash of it with one."""
@@ -115,13 +155,24 @@ class PageCodec:
             out.append(h.digest())
         return out
 
-    def _fields(self, key: bytes) -> bytes:
+    def _fields(self, key: bytes, stored_bytes: int | None = None) -> bytes:
         g = self.geometry
         dtype = str(g.dtype).removeprefix("torch.").encode()
-        return _FIELDS.pack(
+        if not self._ids:
+            return _FIELDS.pack(
+                MAGIC, self.version, HEADER_BYTES, self._namespace_field, key,
+                g.components, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim, dtype, self.payload_bytes,
+            )
+        return _CODEC_FIELDS.pack(
             MAGIC, self.version, HEADER_BYTES, self._namespace_field, key,
-            g.components, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim, dtype, self.payload_bytes,
+            g.components, g.num_layers, g.page_size, g.num_kv_heads, g.head_dim, dtype,
+            0 if stored_bytes is None else stored_bytes, self._ids,
         )
+
+    def _aad(self, key: bytes) -> bytes:
+        """What an encrypting stage authenticates: every header field but the stored length (the
+        ciphertext's length is authenticated by GCM itself)."""
+        return self._fields(key, 0)
 
     def _check_value(self, fields: bytes | memoryview, payload: Sequence[memoryview]) -> bytes:
         if self._mac_key is None:
@@ -158,7 +209,84 @@ class PageCodec:
             return "mac" if self.keyed else "checksum"
         return None
 
+    # -- pages through a codec chain (formats 3 and 4) ------------------------------------------
+
+    def encode_page(self, key: bytes, payload: Sequence[memoryview]) -> tuple[bytes, memoryview | bytes]:
+        """``(header, stored payload)`` of the page stored under ``key``: its KV (in pieces, in order)
+        through every stage, then the header with its check value (none where the chain encrypts).
+
+        Pure CPU work for one page: the tier runs it in worker threads, one page per task.
+        """
+        if len(payload) == 1:
+            data = payload[0]
+        else:  # a layer_first host page: its pieces, joined in page-first order
+            data = memoryview(bytearray(sum(len(p) for p in payload)))
+            pos = 0
+            for piece in payload:
+                data[pos : pos + len(piece)] = piece
+                pos += len(piece)
+        stored = run_encode(self.chain.stages, data, self.geometry, self._aad(key))
+        fields = self._fields(key, len(stored))
+        header = bytearray(HEADER_BYTES)
+        header[: len(fields)] = fields
+        if self.chain.encryption is None:
+            value = self._check_value(fields, [memoryview(stored)])
+            header[_CODEC_CHECK_AT : _CODEC_CHECK_AT + len(value)] = value
+        return bytes(header), stored
+
+    def decode_page(self, key: bytes, header: memoryview, stored: memoryview, out: Sequence[memoryview]) -> str | None:
+        """Check the page read under ``key`` (``header`` + ``stored``, its stored payload exactly) and
+        decode it into ``out`` (the host page's pieces); ``None`` if done, else why it is a miss.
+
+        The header's fields must be this codec's (namespace field, name, geometry, the same codec
+        ids), then the check value (or the AEAD tag) must verify the stored bytes, and only then does
+        any stage decode them. Pages past a failure are left unspecified in ``out``.
+        """
+        if len(header) < HEADER_BYTES:
+            return "truncated"
+        got = bytes(header[: _CODEC_FIELDS.size])
+        expected = self._fields(key, len(stored))
+        if got != expected:
+            return self._codec_mismatch(got, key, len(stored))
+        if self.chain.encryption is None:
+            value = self._check_value(expected, [stored])
+            if not hmac.compare_digest(bytes(header[_CODEC_CHECK_AT : _CODEC_CHECK_AT + len(value)]), value):
+                return "mac" if self.keyed else "checksum"
+        single = out[0] if len(out) == 1 else None
+        try:
+            decoded = run_decode(self.chain.stages, stored, self.geometry, self._aad(key), single)
+        except CodecError as exc:
+            return exc.reason
+        if len(decoded) != self.payload_bytes:
+            return "length"
+        if single is None or not _same_buffer(decoded, single):
+            view, pos = memoryview(decoded).cast("B"), 0
+            for piece in out:
+                piece[:] = view[pos : pos + len(piece)]
+                pos += len(piece)
+        return None
+
+    def _codec_mismatch(self, got: bytes, key: bytes, stored_bytes: int) -> str:
+        """Name the first header field (format 3/4) that differs from what this reader expects."""
+        have = _CODEC_FIELDS.unpack(got)
+        want = _CODEC_FIELDS.unpack(self._fields(key, stored_bytes))
+        if have[0] != MAGIC:
+            return "magic"
+        if have[1:3] != want[1:3]:
+            return "version"
+        if have[3] != want[3]:
+            return "namespace"
+        if have[12] != want[12]:
+            return "codec"  # stages this reader cannot (or must not) decode
+        if have[4] != want[4]:
+            return "key"
+        if have[5:11] != want[5:11]:
+            return "geometry"
+        return "length"
+
     def _mismatch(self, got: bytes) -> str:
+        if int.from_bytes(got[8:10], "little") in (CODEC_FORMAT_VERSION, KEYED_CODEC_FORMAT_VERSION):
+            return "version"  # a page written through a codec chain, read by a tier without one
         """Name the first header field that differs (for the counters and the debug log)."""
         magic, version, header_bytes, namespace, _key, *geometry, payload_len = _FIELDS.unpack(got)
         if magic != MAGIC:
@@ -174,6 +302,18 @@ class PageCodec:
         if payload_len != self.payload_bytes:
             return "length"
         return "key"
+
+
+def _same_buffer(a: memoryview | bytes, b: memoryview) -> bool:
+    """True when ``a`` is ``b`` itself (a stage decoded in place), not a copy."""
+    if not isinstance(a, memoryview):
+        return False
+    try:
+        import numpy as np
+
+        return np.may_share_memory(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8))
+    except (TypeError, ValueError):
+        return False
 
 
 # --------------------------------------------------------------------------- inspection
@@ -202,36 +342,59 @@ class PageHeader:
     key: bytes  # the storage name the page was written under
     geometry: tuple[int, int, int, int, int]  # components, layers, page_size, kv heads, head dim
     dtype: str
-    payload_bytes: int
+    payload_bytes: int  # as stored (after the codec chain, if any)
+    codecs: tuple[str, ...] = ()  # the stages applied, in order (formats 3 and 4)
 
     @property
     def shape(self) -> str:
         c, layers, page, heads, dim = self.geometry
         return f"{c}x{layers}x{page}x{heads}x{dim} {self.dtype}"
 
+    @property
+    def logical_bytes(self) -> int | None:
+        """Bytes of the KV the page holds (``None`` for a dtype this version does not know)."""
+        itemsize = _ITEMSIZE.get(self.dtype)
+        if itemsize is None:
+            return None
+        c, layers, page, heads, dim = self.geometry
+        return c * layers * page * heads * dim * itemsize
+
+    @property
+    def encrypted(self) -> bool:
+        return "aes-gcm" in self.codecs
+
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+_CODED = (CODEC_FORMAT_VERSION, KEYED_CODEC_FORMAT_VERSION)
 
 
 def parse_header(header: bytes | memoryview) -> PageHeader | None:
     """The header's fields, or ``None`` when it is not a hicache page header (short, wrong magic)."""
     if len(header) < HEADER_BYTES:
         return None
-    magic, version, header_bytes, namespace, key, *geometry, dtype, payload_len = _FIELDS.unpack(
-        bytes(header[: _FIELDS.size])
-    )
+    raw = bytes(header[:HEADER_BYTES])
+    version = int.from_bytes(raw[8:10], "little")
+    codecs: tuple[str, ...] = ()
+    if version in _CODED:
+        magic, version, header_bytes, namespace, key, *geometry, dtype, payload_len, ids = _CODEC_FIELDS.unpack(
+            raw[: _CODEC_FIELDS.size]
+        )
+        codecs = tuple(name_of_id(i) for i in ids.rstrip(b"\x00"))
+    else:
+        magic, version, header_bytes, namespace, key, *geometry, dtype, payload_len = _FIELDS.unpack(raw[: _FIELDS.size])
     if magic != MAGIC or header_bytes != HEADER_BYTES:
         return None
     return PageHeader(
         version=version, namespace=namespace, key=key, geometry=tuple(geometry),  # type: ignore[arg-type]
-        dtype=dtype.rstrip(b"\x00").decode("ascii", "replace"), payload_bytes=payload_len,
+        dtype=dtype.rstrip(b"\x00").decode("ascii", "replace"), payload_bytes=payload_len, codecs=codecs,
     )
 
 
 @dataclass(frozen=True)
 class StoredPageCheck:
     """What ``check_stored_page`` found: ``status`` is ``ok`` (verified), ``corrupt`` (proven bad:
-    safe to remove) or ``unverifiable`` (another tenant's or namespace's keyed page)."""
+    safe to remove) or ``unverifiable`` (another tenant's or namespace's keyed page, or an
+    encrypted page of a key the reader does not hold)."""
 
     status: str
     reason: str | None
@@ -240,7 +403,13 @@ class StoredPageCheck:
 
 
 def check_stored_page(codec: PageCodec, storage_key: bytes, blob: bytes | None) -> StoredPageCheck:
-    """Check one page read whole from storage under ``storage_key``, as far as ``codec`` allows."""
+    """Check one page read whole from storage under ``storage_key``, as far as ``codec`` allows.
+
+    A page of the reader's own codec chain is checked the way a fetch checks it (decoded too, so
+    a lossless frame or a ciphertext that does not decode is corrupt); an unkeyed one of another
+    chain by its xxh3 checksum over the stored bytes; an encrypted or keyed one of another
+    namespace or key is unverifiable.
+    """
     if blob is None:
         return StoredPageCheck("corrupt", "unreadable", None, False)
     header = parse_header(blob[:HEADER_BYTES])
@@ -252,20 +421,25 @@ def check_stored_page(codec: PageCodec, storage_key: bytes, blob: bytes | None) 
         return StoredPageCheck("corrupt", "stored under another name", header, ours)
     if header.payload_bytes != len(payload):
         return StoredPageCheck("corrupt", "truncated" if len(payload) < header.payload_bytes else "length", header, ours)
-    c, layers, page, heads, dim = header.geometry
-    itemsize = _ITEMSIZE.get(header.dtype)
-    if itemsize is not None and c * layers * page * heads * dim * itemsize != header.payload_bytes:
+    logical = header.logical_bytes
+    if header.version not in _CODED and logical is not None and logical != header.payload_bytes:
         return StoredPageCheck("corrupt", "geometry", header, ours)
     if ours:
-        reason = codec.check(storage_key, memoryview(blob)[:HEADER_BYTES], [payload])
+        if codec.encoded:
+            out = memoryview(bytearray(codec.payload_bytes))
+            reason = codec.decode_page(storage_key, memoryview(blob)[:HEADER_BYTES], payload, [out])
+        else:
+            reason = codec.check(storage_key, memoryview(blob)[:HEADER_BYTES], [payload])
         return StoredPageCheck("ok" if reason is None else "corrupt", reason, header, True)
-    if header.version == FORMAT_VERSION:
+    if header.version in (FORMAT_VERSION, CODEC_FORMAT_VERSION) and not header.encrypted:
         # Unkeyed: anyone can recompute the checksum from the page's own fields.
+        fields, at = (_FIELDS.size, _CHECKSUM_AT) if header.version == FORMAT_VERSION else (_CODEC_FIELDS.size, _CODEC_CHECK_AT)
         x = xxhash.xxh3_64()
-        x.update(blob[: _FIELDS.size])
+        x.update(blob[:fields])
         x.update(payload)
-        stored = _CHECKSUM.unpack(blob[_CHECKSUM_AT : _CHECKSUM_AT + _CHECKSUM.size])[0]
-        return StoredPageCheck("ok" if stored == x.intdigest() else "corrupt", None if stored == x.intdigest() else "checksum", header, False)
-    if header.version == KEYED_FORMAT_VERSION:
-        return StoredPageCheck("unverifiable", "keyed by another tenant key or namespace", header, False)
+        good = _CHECKSUM.unpack(blob[at : at + _CHECKSUM.size])[0] == x.intdigest()
+        return StoredPageCheck("ok" if good else "corrupt", None if good else "checksum", header, False)
+    if header.version in (KEYED_FORMAT_VERSION, KEYED_CODEC_FORMAT_VERSION, CODEC_FORMAT_VERSION):
+        why = "encrypted with a key this config does not hold" if header.encrypted else "keyed by another tenant key or namespace"
+        return StoredPageCheck("unverifiable", why, header, False)
     return StoredPageCheck("corrupt", "version", header, False)

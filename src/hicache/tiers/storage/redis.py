@@ -18,13 +18,15 @@ shown in stats, logs or config dumps.
 
 **Cluster** (``cluster: true``; ``url`` names any one node, ``cluster_seeds`` more of them): each
 page's key hashes to its own slot (no hash tags, so one prompt's pages spread over every shard, and
-a ``key_prefix`` with braces is refused). redis-py's cluster client keeps the slot map; a batch is
-split per primary and each part goes out as one pipeline on that node's own connection pool, all
-parts at once. Why not ``RedisCluster.pipeline()``: with one primary down it failed the whole batch
-of 30 keys after 3 s of retries (each of which closes every node's connections; redis-py 8.1,
-measured), where a cache wants that node's pages to be misses and the others served at once. A
-node that answers ``MOVED``/``ASK`` (slots migrated) or cannot be reached makes the next call
-refresh the slot map (at most once a second while a node stays down).
+a ``key_prefix`` with braces is refused). redis-py's cluster client keeps the slot map, asked of
+whichever known node answers (never through ``RedisCluster.initialize()``, which needs the primary
+of slot 0 up: see ``_slot_map``); a batch is split per primary and each part goes out as one
+pipeline on that node's own connection pool, all parts at once. Why not
+``RedisCluster.pipeline()``: with one primary down it failed the whole batch of 30 keys after 3 s
+of retries (each of which closes every node's connections; redis-py 8.1, measured), where a cache
+wants that node's pages to be misses and the others served at once. A node that answers
+``MOVED``/``ASK`` (slots migrated) or cannot be reached makes the next call refresh the slot map
+(at most once a second while a node stays down).
 ``clear`` scans every primary. Set ``cluster-require-full-coverage no`` on the servers, so the other
 primaries keep serving while one is down.
 """
@@ -41,7 +43,7 @@ import anyio
 from pydantic import Field, SecretStr, model_validator
 
 from ...config import ByteSize
-from .base import BackendSettings, PageIO, StorageBackend, StoredPage
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage, fits, scatter
 from .lru_index import LruIndex
 from .page_format import HEADER_BYTES
 
@@ -61,6 +63,7 @@ def scan_pattern(prefix: bytes) -> bytes:
 class RedisBackend(StorageBackend):
     kind = "redis"
     can_list = True
+    variable_size_pages = True
     #: Pages per pipeline: 32 pages of a few MiB keep one round trip well under the server's limits.
     max_batch = 32
 
@@ -102,6 +105,7 @@ class RedisBackend(StorageBackend):
         self._nodes: dict[str, Any] = {}  # a cluster: node name -> that node's own client
         self._options: dict[str, Any] = {}
         self._refresh_at: float | None = None  # a cluster: refresh the slot map from this time on
+        self._mapped = False  # a cluster: the slot map has been discovered once
         self._prefix = f"{self.settings.key_prefix}:".encode()
         self._index = LruIndex(self.settings.capacity)  # the pages this process knows are there
         self._staging = bytearray()  # values of the set in flight (see _stage)
@@ -148,7 +152,13 @@ class RedisBackend(StorageBackend):
         nodes, self._nodes = self._nodes, {}
         for node in nodes.values():
             await node.aclose()
-        if client is not None:
+        if client is not None and self.settings.cluster:
+            # The client was never initialize()d (see _slot_map), so its aclose() would do nothing:
+            # close the connections its slot-map queries opened.
+            self._mapped = False
+            await client.nodes_manager.aclose()
+            await client.nodes_manager.aclose("startup_nodes")
+        elif client is not None:
             await client.aclose()
 
     # -- routing: one pipeline per server ---------------------------------------------------------
@@ -159,11 +169,7 @@ class RedisBackend(StorageBackend):
         results: list[object] = [None] * len(names)
         if not self.settings.cluster:
             return {"server": (self._client, list(range(len(names))))}, results
-        cluster = self._client
-        if self._refresh_at is not None and time.monotonic() >= self._refresh_at:
-            self._refresh_at = None
-            await cluster.nodes_manager.initialize()
-        await cluster.initialize()  # the first call discovers the cluster; a no-op after
+        cluster = await self._slot_map()
         groups: dict[str, tuple[Any, list[int]]] = {}
         for i, name in enumerate(names):
             try:
@@ -176,6 +182,30 @@ class RedisBackend(StorageBackend):
                 groups[node.name] = (self._node_client(node), [])
             groups[node.name][1].append(i)
         return groups, results
+
+    async def _slot_map(self) -> Any:
+        """The cluster client, its slot map discovered (first call) or refreshed (when due).
+
+        Only the slot map, asked of each known node in turn (``CLUSTER SLOTS``): not
+        ``RedisCluster.initialize()``, which also sends ``COMMAND`` to the primary of slot 0 and fails
+        as long as that one node is down, so a fresh process would get nothing from the live ones.
+        A refresh that fails keeps the map it had (the dead node's pages stay misses meanwhile).
+        """
+        cluster = self._client
+        due = self._refresh_at is not None and time.monotonic() >= self._refresh_at
+        if self._mapped and not due:
+            return cluster
+        self._refresh_at = None
+        try:
+            await cluster.nodes_manager.initialize()
+        except Exception:
+            if not self._mapped:
+                raise  # no map at all: nothing can be routed, the call fails (and the next one tries again)
+            self._refresh_soon()
+            log.debug("redis cluster: slot map refresh failed; keeping the one we have", exc_info=True)
+        else:
+            self._mapped = True
+        return cluster
 
     def _node_client(self, node: Any) -> Any:
         client = self._nodes.get(node.name)
@@ -251,21 +281,25 @@ class RedisBackend(StorageBackend):
         return n
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        return await self._read(keys, into, None)
+
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        return await self._read(keys, into, sizes)
+
+    async def _read(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int] | None) -> int:
         names = [self._key(k) for k in keys]
         values = await self._pipelined(names, lambda pipe, i: pipe.get(names[i]))
         # A value that is lost, or not a page of this size, is a miss from there on.
         n = self._leading(values, lambda blob: blob is not None, "get")
         for i in range(n):
             blob, io = values[i], into[i]
-            if len(blob) != io.nbytes:  # type: ignore[arg-type]
+            if not fits(len(blob), io.nbytes, sizes):  # type: ignore[arg-type]
                 n = i
                 break
-            view = memoryview(blob)  # type: ignore[arg-type]
-            pos = 0
-            for buf in io.buffers():
-                buf[:] = view[pos : pos + len(buf)]
-                pos += len(buf)
-            self._index.remember(keys[i], io.nbytes)
+            scatter(blob, io)
+            if sizes is not None:
+                sizes[i] = len(blob)  # type: ignore[arg-type]
+            self._index.remember(keys[i], len(blob))  # type: ignore[arg-type]
         if n < len(keys):
             self._index.forget(keys[n])
         return n
@@ -327,8 +361,8 @@ class RedisBackend(StorageBackend):
     async def scan_keys(self) -> AsyncIterator[bytes]:
         """The names of every page under ``key_prefix``, from every primary of a cluster."""
         if self.settings.cluster:
-            await self._client.initialize()
-            clients = [self._node_client(node) for node in self._client.get_primaries()]
+            cluster = await self._slot_map()
+            clients = [self._node_client(node) for node in cluster.get_primaries()]
         else:
             clients = [self._client]
         for client in clients:

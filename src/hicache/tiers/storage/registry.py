@@ -9,7 +9,10 @@ Resolution order for ``kind``:
        [project.entry-points."hicache.storage"]
        mystore = "mystore.backend:MyStoreBackend"
 
-3. a dotted class path, ``"package.module:ClassName"`` (or ``"package.module.ClassName"``).
+3. a dotted class path, ``"package.module:ClassName"`` (or ``"package.module.ClassName"``): only
+   for the process's own configuration (``class_paths=True``). An entry that came in a request (the
+   admin endpoint) names a built-in or an installed plugin, and a class path is refused before
+   anything is imported: importing a module runs its code.
 
 The class must subclass ``StorageBackend``. Built-ins are imported lazily, so a backend whose
 client library is missing costs nothing until it is chosen.
@@ -60,8 +63,11 @@ def _import(target: str) -> object:
     return obj
 
 
-def resolve_backend(kind: str) -> type[StorageBackend]:
-    """The backend class for ``kind``; ``ConfigError`` saying what is available if there is none."""
+def resolve_backend(kind: str, *, class_paths: bool = True) -> type[StorageBackend]:
+    """The backend class for ``kind``; ``ConfigError`` saying what is available if there is none.
+
+    ``class_paths=False``: built-in kinds and installed plugins only (nothing else is imported).
+    """
     if kind in BUILTIN_BACKENDS:
         cls = _import(BUILTIN_BACKENDS[kind])
     else:
@@ -71,6 +77,11 @@ def resolve_backend(kind: str) -> type[StorageBackend]:
                 cls = found[0].load()
             except Exception as exc:  # a broken plugin: say which one
                 raise ConfigError(f"storage plugin {kind!r} ({found[0].value}) failed to load: {exc!r}") from exc
+        elif not class_paths:
+            raise ConfigError(
+                f"unknown storage backend {kind!r} (available: {', '.join(available_backends())}); a class path "
+                "is taken from the process's own configuration only, never from a request"
+            )
         elif ":" in kind or "." in kind:
             cls = _import(kind)
         else:

@@ -25,7 +25,9 @@ Secrets (``access_key_id``, ``secret_access_key``, ``session_token``) are ``Secr
 repr, a log or a config dump. Without ``access_key_id`` they are all read from ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY`` and ``AWS_SESSION_TOKEN`` when the backend opens (never a key from one
 place and a token from the other). Without any the backend refuses to open (``ConfigError``): it
-never falls back to instance-metadata lookups.
+never falls back to instance-metadata lookups. An entry sent to the admin endpoint must carry its
+own credentials: it reads nothing from this process's environment (``settings_environ``), or a
+request could have the server sign requests to an endpoint it names with the server's identity.
 
     tiers:
       storage:
@@ -47,11 +49,11 @@ from datetime import timedelta
 from typing import Any
 
 import anyio
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationInfo, model_validator
 
 from ...config import ByteSize
 from ...errors import ConfigError
-from .base import BackendSettings, PageIO, StorageBackend, StoredPage
+from .base import BackendSettings, PageIO, StorageBackend, StoredPage, fits, scatter, settings_environ
 from .lru_index import LruIndex
 from .page_format import HEADER_BYTES
 
@@ -67,6 +69,7 @@ _MISSING = object()  # a key the store does not hold
 class S3Backend(StorageBackend):
     kind = "s3"
     can_list = True
+    variable_size_pages = True
     #: Pages per batch: 16 pages of a few MiB keep one batch well inside ``timeout_s`` even on a
     #: slow store (SeaweedFS here takes about 0.06 GB/s of PUTs).
     max_batch = 16
@@ -85,6 +88,18 @@ class S3Backend(StorageBackend):
         #: Bytes of pages this process keeps there, least recently used evicted first (None: leave
         #: it to the bucket's lifecycle rules).
         capacity: ByteSize | None = None
+
+        @model_validator(mode="after")
+        def _credentials_of_a_request(self, info: ValidationInfo) -> S3Backend.Settings:
+            if settings_environ(info) is os.environ:
+                return self
+            given = [getattr(self, f) for f in ("access_key_id", "secret_access_key")]
+            if not all(v is not None and v.get_secret_value() for v in given):
+                raise ValueError(
+                    "an s3 tier sent to the admin endpoint takes no credentials from this process's environment "
+                    "(AWS_*): put access_key_id and secret_access_key in the entry"
+                )
+            return self
 
     settings: Settings
 
@@ -169,28 +184,36 @@ class S3Backend(StorageBackend):
         return n
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        return await self._read(keys, into, None)
+
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        return await self._read(keys, into, sizes)
+
+    async def _read(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int] | None) -> int:
+        got = [0] * len(keys)
+
         async def fetch(i: int) -> object:
             key, io = keys[i], into[i]
             try:
                 result = await self._obs.get_async(self._store, self.path_of(key))
             except FileNotFoundError:
                 return _MISSING
-            if result.meta["size"] != io.nbytes:
+            if not fits(result.meta["size"], io.nbytes, sizes):
                 return _MISSING  # not a page of this geometry: a miss (the tier never sees it)
             blob = memoryview(await result.bytes_async())
-            if len(blob) != io.nbytes:
+            if len(blob) != result.meta["size"] or not fits(len(blob), io.nbytes, sizes):
                 return _MISSING
             # The one copy: Rust's buffer straight into the page's own memory, after the await.
-            pos = 0
-            for buf in io.buffers():
-                buf[:] = blob[pos : pos + len(buf)]
-                pos += len(buf)
+            scatter(blob, io)
+            got[i] = len(blob)
             return True
 
         results = await self._each(range(len(keys)), fetch)
         n = self._leading(results, "get")
-        for key, io in zip(keys[:n], into[:n], strict=True):
-            self._index.remember(key, io.nbytes)
+        for i, key in enumerate(keys[:n]):
+            self._index.remember(key, got[i])
+        if sizes is not None:
+            sizes[:n] = got[:n]
         if n < len(keys) and results[n] is _MISSING:
             self._index.forget(keys[n])
         return n

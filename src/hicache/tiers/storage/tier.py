@@ -11,6 +11,23 @@ Backends never see page keys: the codec names each page (``PageCodec.storage_key
 key, a keyed hash of the page key) and the tier hands those names down, and checks every page read
 against its name, so a page stored under another name, by another tenant or by a forger is a miss.
 
+**Page work in parallel.** Encoding (checksums or MACs, and a codec chain's stages) and checking
+run off the event loop, one hop per batch, and inside the hop one task per page on the tier's
+pool of ``codec_threads`` threads (BLAKE3, OpenSSL's AES-GCM, blosc2 and torch release the GIL), so
+a batch's MACs or codecs use every core while the backend moves the previous batch. Without a codec
+chain or a key (xxh3 only) the work is light and stays on the hop's own thread.
+
+**A codec chain** (``PageCodec.chain``, the tier's ``codec:`` list): pages are no longer the host
+page's own bytes. Writes encode each page into its own buffer (the chain's output) and the header
+records the stages; reads go into staging buffers reused from batch to batch (room for the largest
+page the chain can make), with ``get(..., sizes=)`` since stored sizes vary, and each page is
+checked, then decoded straight into its host page. Neither touches the device: host pages are
+encoded after the device-to-host copy and decoded before the host-to-device one.
+
+The pages need not live in hicache's own host pool: ``fetch`` and ``store`` take a ``source``, any
+object whose ``page_pieces()`` lends pages as byte pieces (an engine's own host pool, as the SGLang
+backend does, or a few loose page buffers); by default the tier's host pool.
+
 Detaching (``HiCache.detach_storage``): once ``detached`` is set, every operation is a miss or an
 unwritten page without calling the backend, and ``wait_idle()`` returns when the calls already in
 flight have ended, so the backend can be closed under nobody.
@@ -19,22 +36,40 @@ flight have ended, so the backend can be closed under nobody.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import numpy as np
 import torch
 
-from ...errors import StorageError
+from ...errors import ConfigError, StorageError
 from ...logs import RateLimited
-from ...stats import StorageTierStats
+from ...stats import CodecStats, StorageTierStats
 from ..host import HostPool
 from .base import PageIO, StorageBackend
 from .page_format import HEADER_BYTES, PageCodec
 
-__all__ = ["StorageTier"]
+T = TypeVar("T")
+#: Threads that encode and check one batch's pages at once (per tier; at least 1).
+DEFAULT_CODEC_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+__all__ = ["PageSource", "StorageTier"]
 
 log = logging.getLogger(__name__)
+
+
+class PageSource(Protocol):
+    """Memory a tier reads pages into and writes them from, other than its host pool."""
+
+    def page_pieces(self) -> Any:
+        """Indexed by page: that page's payload as buffers (writable for ``fetch``), in the byte
+        order its namespace stores (canonical for hicache's own pools), adding up to the codec's
+        payload bytes."""
+        ...
 
 
 class StorageTier:
@@ -43,15 +78,29 @@ class StorageTier:
         name: str,
         backend: StorageBackend,
         codec: PageCodec,
-        host: HostPool,
+        host: HostPool | None,
         *,
         batch_pages: int,
+        codec_threads: int = DEFAULT_CODEC_THREADS,
     ) -> None:
+        if codec.encoded and not type(backend).variable_size_pages:
+            raise ConfigError(
+                f"storage tier {name}: the {backend.kind} backend stores pages of one size only, and a codec chain "
+                f"({', '.join(codec.chain.names)}) makes pages of varying size: remove `codec` from this tier"
+            )
         self.name = name
         self.backend = backend
         self.codec = codec
         self.host = host
         self.batch_pages = max(1, batch_pages)
+        self.codec_threads = max(1, codec_threads)
+        self._pool: ThreadPoolExecutor | None = None
+        self._arenas: list[np.ndarray] = []  # staging buffers of reads through a codec chain, reused
+        self._codec_counts = dict.fromkeys(
+            ("encoded_pages", "encoded_logical_bytes", "encoded_stored_bytes", "decoded_pages",
+             "decoded_logical_bytes", "decoded_stored_bytes", "failed_pages"), 0,
+        )
+        self._codec_seconds = {"encode": 0.0, "decode": 0.0}
         self.fetched_pages = 0
         self.stored_pages = 0
         self.skipped_pages = 0
@@ -93,13 +142,20 @@ class StorageTier:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self._pieces = None
-        await self.backend.aclose()
+        self._arenas.clear()
+        try:
+            await self.backend.aclose()
+        finally:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=False)  # idle between calls: every batch waited for its tasks
 
     # -- buffers --------------------------------------------------------------------------------
 
     def _host_pieces(self) -> np.ndarray:
         """The host pool as bytes: ``[pages, 1, page_bytes]`` or ``[pages, C * L, chunk_bytes]``."""
         if self._pieces is None:
+            assert self.host is not None, "a tier without a host pool is given a source on every call"
             g = self.codec.geometry
             raw = self.host.buffer.view(torch.uint8).numpy()  # no copy; the pool outlives the tier's use
             if self.host.layout == "page_first":
@@ -109,30 +165,124 @@ class StorageTier:
                 self._pieces = chunks.transpose(1, 0, 2)  # a view: page-major order of the pieces
         return self._pieces
 
-    def _page_ios(self, host_pages: Sequence[int]) -> list[PageIO]:
+    def _page_ios(self, host_pages: Sequence[int], source: PageSource | None = None) -> list[PageIO]:
         """Header buffers, and each host page's own memory as its payload pieces."""
         headers = np.zeros((len(host_pages), HEADER_BYTES), dtype=np.uint8)
-        pieces = self._host_pieces()
+        pieces = self._host_pieces() if source is None else source.page_pieces()
         return [
             PageIO(memoryview(headers[i]), tuple(memoryview(piece) for piece in pieces[p]))
             for i, p in enumerate(host_pages)
         ]
 
+    def _room(self) -> int:
+        """Bytes of staging per page read through the codec chain: a header and the largest payload."""
+        return HEADER_BYTES + self.codec.max_stored_bytes
+
+    def _take_arena(self, pages: int) -> np.ndarray:
+        need = pages * self._room()
+        for i, arena in enumerate(self._arenas):
+            if arena.nbytes >= need:
+                return self._arenas.pop(i)
+        return np.empty(max(need, self.batch_pages * self._room()), dtype=np.uint8)
+
+    def _give_arena(self, arena: np.ndarray) -> None:
+        if len(self._arenas) < 4:
+            self._arenas.append(arena)
+
+    def _staging_ios(self, arena: np.ndarray, pages: int) -> list[PageIO]:
+        room = self._room()
+        return [
+            PageIO(memoryview(arena[i * room : i * room + HEADER_BYTES]),
+                   (memoryview(arena[i * room + HEADER_BYTES : (i + 1) * room]),))
+            for i in range(pages)
+        ]
+
     # -- thread-side work -----------------------------------------------------------------------
 
-    def _encode(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> list[PageIO]:
-        ios = self._page_ios(host_pages)
-        for key, io in zip(keys, ios, strict=True):
-            self.codec.encode(key, io.payload, io.header)
-        return ios
+    @property
+    def _parallel(self) -> bool:
+        """Whether page work is worth a task per page (MACs, codecs), not one thread per batch (xxh3)."""
+        return self.codec_threads > 1 and (self.codec.keyed or self.codec.encoded)
 
-    def _verify(self, keys: Sequence[bytes], ios: Sequence[PageIO]) -> tuple[int, str | None]:
-        """Check pages in order: ``(how many are good, why the next one is not)``."""
-        for i, (key, io) in enumerate(zip(keys, ios, strict=True)):
-            reason = self.codec.check(key, io.header, io.payload)
-            if reason is not None:
-                return i, reason
-        return len(keys), None
+    def _map(self, fn: Callable[[int], T], n: int) -> Iterable[T]:
+        """``fn(0..n-1)``, in parallel on the tier's pool when that pays; results in order, lazily."""
+        if not self._parallel or n < 2:
+            return map(fn, range(n))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.codec_threads, thread_name_prefix=f"hicache-codec-{self.name}")
+        return self._pool.map(fn, range(n))
+
+    def _encode(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], source: PageSource | None = None
+    ) -> tuple[list[PageIO], dict[str, Any]]:
+        ios = self._page_ios(host_pages, source)
+        if not self.codec.encoded:
+
+            def mac(i: int) -> None:
+                self.codec.encode(keys[i], ios[i].payload, ios[i].header)
+
+            for _ in self._map(mac, len(keys)):
+                pass
+            return ios, {}
+
+        def one(i: int) -> tuple[PageIO, float]:
+            t0 = time.perf_counter()
+            header, stored = self.codec.encode_page(keys[i], ios[i].payload)
+            return PageIO.of(header, stored), time.perf_counter() - t0
+
+        done = list(self._map(one, len(keys)))
+        out = [io for io, _ in done]
+        return out, {
+            "encoded_pages": len(out), "encoded_logical_bytes": len(out) * self.codec.payload_bytes,
+            "encoded_stored_bytes": sum(io.payload_bytes for io in out), "encode": sum(t for _, t in done),
+        }
+
+    def _verify(
+        self,
+        keys: Sequence[bytes],
+        ios: Sequence[PageIO],
+        sizes: Sequence[int],
+        host_pages: Sequence[int],
+        source: PageSource | None = None,
+    ) -> tuple[int, str | None, dict[str, Any]]:
+        """Check pages in order (through a codec chain: check, then decode into ``host_pages``):
+        ``(how many are good, why the next one is not, codec counts)``."""
+        if not self.codec.encoded:
+
+            def check(i: int) -> str | None:
+                return self.codec.check(keys[i], ios[i].header, ios[i].payload)
+
+            for i, reason in enumerate(list(self._map(check, len(keys)))):  # every task done before we return
+                if reason is not None:
+                    return i, reason, {}
+            return len(keys), None, {}
+        pieces = self._host_pieces() if source is None else source.page_pieces()
+
+        def decode(i: int) -> tuple[str | None, float]:
+            t0 = time.perf_counter()
+            stored = ios[i].payload[0][: sizes[i] - HEADER_BYTES]
+            out = [memoryview(piece) for piece in pieces[host_pages[i]]]
+            reason = self.codec.decode_page(keys[i], ios[i].header, stored, out)
+            return reason, time.perf_counter() - t0
+
+        good, why, seconds = len(keys), None, 0.0
+        for i, (reason, t) in enumerate(list(self._map(decode, len(keys)))):  # every task done before we return
+            seconds += t
+            if reason is not None and why is None:
+                good, why = i, reason
+        counts = {
+            "decoded_pages": good, "decoded_logical_bytes": good * self.codec.payload_bytes,
+            "decoded_stored_bytes": sum(sizes[:good]) - good * HEADER_BYTES, "decode": seconds,
+            "failed_pages": 1 if why is not None else 0,
+        }
+        return good, why, counts
+
+    def _count(self, counts: dict[str, Any]) -> None:
+        for name, value in counts.items():
+            if name in self._codec_seconds:
+                self._codec_seconds[name] += value
+            else:
+                self._codec_counts[name] += value
 
     # -- operations -----------------------------------------------------------------------------
 
@@ -155,8 +305,11 @@ class StorageTier:
         keys: Sequence[bytes],
         host_pages: Sequence[int],
         on_batch: Callable[[int, int], bool] | None = None,
+        *,
+        source: PageSource | None = None,
     ) -> int:
-        """Read pages ``keys`` into ``host_pages`` (allocated, not yet published); verified count.
+        """Read pages ``keys`` into ``host_pages`` (allocated, not yet published) of the host pool
+        (or of ``source``); verified count.
 
         Batches are pipelined: the next batch is read while this one is verified. After each
         batch, ``on_batch(first, good)`` may publish its ``good`` verified pages (indices
@@ -168,25 +321,39 @@ class StorageTier:
         if not self._enter():
             return 0
         try:
-            return await self._fetch(keys, host_pages, on_batch)
+            return await self._fetch(keys, host_pages, on_batch, source)
         finally:
             self._exit()
 
     async def _fetch(
-        self, keys: Sequence[bytes], host_pages: Sequence[int], on_batch: Callable[[int, int], bool] | None
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[int],
+        on_batch: Callable[[int, int], bool] | None,
+        source: PageSource | None = None,
     ) -> int:
         keys = self.codec.storage_keys(keys)
         starts = range(0, len(keys), self.batch_pages)
         total = 0
-        send, receive = anyio.create_memory_object_stream[tuple[int, list[PageIO], int]](1)
+        coded = self.codec.encoded
+        send, receive = anyio.create_memory_object_stream[tuple[int, list[PageIO], int, list[int], Any]](1)
+        held: list[np.ndarray] = []  # staging arenas of this call, back to the pool at the end
 
         async def read_ahead() -> None:
             async with send:
                 for first in starts:
                     k = keys[first : first + self.batch_pages]
-                    ios = self._page_ios(host_pages[first : first + self.batch_pages])
+                    arena = None
+                    sizes: list[int] = []
+                    if coded:
+                        arena = self._take_arena(len(k))
+                        held.append(arena)
+                        ios = self._staging_ios(arena, len(k))
+                        sizes = [0] * len(k)
+                    else:
+                        ios = self._page_ios(host_pages[first : first + self.batch_pages], source)
                     try:
-                        n = await self.backend.get(k, ios)
+                        n = await self.backend.get(k, ios, sizes=sizes) if coded else await self.backend.get(k, ios)
                         self._succeeded()
                     except StorageError as exc:
                         self._failed(exc)
@@ -197,26 +364,34 @@ class StorageTier:
                         # it, so it cannot make a later store skip the page as already stored.
                         await self._drop(k[n])
                     n = max(n, 0)
-                    await send.send((first, ios, n))
+                    await send.send((first, ios, n, sizes, arena))
                     if n < len(k):
                         return
 
-        # The reader's threads write into host_pages: the group waits for them before returning,
-        # even when cancelled, so the caller never frees a page that is still being written.
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(read_ahead)
-            async with receive:
-                async for first, ios, n in receive:
-                    k = keys[first : first + len(ios)]
-                    good, reason = await anyio.to_thread.run_sync(self._verify, k[:n], ios[:n])
-                    total += good
-                    self.fetched_pages += good
-                    if reason is not None:
-                        await self._drop_corrupt(k[good], reason)
-                    go_on = on_batch(first, good) if on_batch is not None else True
-                    if good < len(k) or not go_on:
-                        tg.cancel_scope.cancel()
-                        break
+        # The reader's threads write into host_pages (and the staging arenas): the group waits for
+        # them before returning, even when cancelled, so the caller never frees a page that is
+        # still being written.
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read_ahead)
+                async with receive:
+                    async for first, ios, n, sizes, _arena in receive:
+                        k = keys[first : first + len(ios)]
+                        good, reason, counts = await anyio.to_thread.run_sync(
+                            self._verify, k[:n], ios[:n], sizes[:n], host_pages[first : first + n], source
+                        )
+                        self._count(counts)
+                        total += good
+                        self.fetched_pages += good
+                        if reason is not None:
+                            await self._drop_corrupt(k[good], reason)
+                        go_on = on_batch(first, good) if on_batch is not None else True
+                        if good < len(k) or not go_on:
+                            tg.cancel_scope.cancel()
+                            break
+        finally:
+            for arena in held:
+                self._give_arena(arena)
         return total
 
     async def _drop_corrupt(self, key: bytes, reason: str) -> None:
@@ -233,8 +408,11 @@ class StorageTier:
         except StorageError as exc:
             self._failed(exc)
 
-    async def store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
-        """Write ``host_pages`` (pinned by the caller) under ``keys``; consecutive pages stored.
+    async def store(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], *, source: PageSource | None = None
+    ) -> int:
+        """Write ``host_pages`` (pinned by the caller) of the host pool (or of ``source``) under
+        ``keys``; consecutive pages stored.
 
         Headers (checksums or MACs) of the next batch are encoded in a worker thread while this
         batch is written, so a MAC's CPU time hides behind the backend's I/O.
@@ -243,11 +421,13 @@ class StorageTier:
         if not self._enter():
             return 0
         try:
-            return await self._store(keys, host_pages)
+            return await self._store(keys, host_pages, source)
         finally:
             self._exit()
 
-    async def _store(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+    async def _store(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], source: PageSource | None = None
+    ) -> int:
         keys = self.codec.storage_keys(keys)
         step = self.batch_pages
         starts = range(0, len(keys), step)
@@ -255,9 +435,10 @@ class StorageTier:
         encoded: dict[int, list[PageIO]] = {}
 
         async def encode(start: int) -> None:
-            encoded[start] = await anyio.to_thread.run_sync(
-                self._encode, keys[start : start + step], host_pages[start : start + step]
+            encoded[start], counts = await anyio.to_thread.run_sync(
+                self._encode, keys[start : start + step], host_pages[start : start + step], source
             )
+            self._count(counts)
 
         if starts:
             await encode(0)
@@ -311,6 +492,10 @@ class StorageTier:
             hit_tokens=self.hit_tokens,
             backend=self.backend.stats(),
             miss_tokens=self.miss_tokens,
+            codec=CodecStats(
+                stages=self.codec.chain.names, encode_seconds=self._codec_seconds["encode"],
+                decode_seconds=self._codec_seconds["decode"], **self._codec_counts,
+            ),
         )
 
     def __repr__(self) -> str:

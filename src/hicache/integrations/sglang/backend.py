@@ -1,0 +1,280 @@
+"""``HiCacheStorageBackend``: SGLang's ``HiCacheStorage`` interface over hicache's storage tiers.
+
+SGLang builds it through its backend factory (``--hicache-storage-backend dynamic``, see the package
+docstring): ``HiCacheStorageBackend(storage_config, kwargs)`` checks the settings and the user's
+config (a misconfiguration is a ``ConfigError`` here), then ``register_mem_pool_host(host_pool)``
+learns the KV geometry and layout from SGLang's host pool, builds this rank's hicache config
+(``settings.cache_config_for``), its page codec and tiers (the composition root's own builders) and
+opens them on a private event loop (``loop.PrivateLoop``).
+
+Both of SGLang's data paths:
+
+* zero-copy (``"interface_v1": 1``): ``batch_get_v1`` / ``batch_set_v1`` read and write the host
+  pool's own page memory (``host_pages.HostPages``), no staging copy;
+* copy: ``batch_get`` fills the flat pages SGLang hands it, ``batch_set`` writes SGLang's flat pages,
+  and ``get`` / ``set`` / ``exists`` do one page.
+
+The two store the same bytes under the same keys: a page written by one is read by the other.
+Keys: SGLang's page hashes (identical on every rank) keyed by this rank's namespace digest
+(``keys.external_page_keys``), which carries the model, geometry, page order, tenant and the rank's
+slice of heads and layers. Nothing here raises into SGLang's threads: a failure is a miss, counted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from ...config import HiCacheConfig
+from ...containers import page_codec_from_config, storage_tier_from_entry
+from ...keys import Namespace, external_page_keys
+from ...logs import RateLimited
+from ...stats import CacheStats
+from .chain import StorageChain
+from .host_pages import FlatPages, HostPages, pages_of
+from .loop import PrivateLoop
+from .metrics import MetricsEndpoint, sglang_storage_metrics
+from .settings import backend_settings, cache_config_for, check_model_name, user_config
+
+__all__ = ["HiCacheStorageBackend"]
+
+log = logging.getLogger("hicache.sglang")
+
+
+class HiCacheStorageBackend(HiCacheStorage):
+    """hicache's storage tiers as an SGLang HiCache storage backend (see the module docstring)."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        self.storage_config = storage_config
+        self.settings = backend_settings(getattr(storage_config, "extra_config", None))
+        # A bad file, entry, key or a model without a name fails now, before SGLang goes on.
+        check_model_name(user_config(self.settings), storage_config)
+        self.config: HiCacheConfig | None = None
+        self.namespace: Namespace | None = None
+        self.mem_pool_host: Any = None
+        self._pages: HostPages | None = None
+        self._chain: StorageChain | None = None
+        self._loop: PrivateLoop | None = None
+        self._metrics: MetricsEndpoint | None = None
+        self._seed = b""
+        self._warn = RateLimited(log)
+        self.failed_calls = 0  # calls answered as misses because of an error outside the tiers
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Learn the pool's geometry, build this rank's config and tiers, open them."""
+        if self._chain is not None:
+            raise RuntimeError("hicache's SGLang backend is bound to a host pool already")
+        config = cache_config_for(self.settings, self.storage_config, mem_pool_host)
+        pages = HostPages(mem_pool_host, attention=config.model.attention)
+        if pages.page_bytes != config.page_bytes:
+            raise RuntimeError(f"host page of {pages.page_bytes} bytes, config says {config.page_bytes}")
+        namespace = Namespace.from_config(config)
+        codec = page_codec_from_config(config)
+        tiers = [
+            storage_tier_from_entry(entry, config=config, codec=codec, host=None) for entry in config.tiers.storage
+        ]
+        chain = StorageChain(
+            tiers, page_size=config.page_size, page_bytes=config.page_bytes, writes=namespace.writes_storage,
+            timeout_s=self.settings.timeout_s,
+        )
+        loop = PrivateLoop(name=f"hicache-sglang-tp{namespace.tp_rank}")
+        try:
+            loop.call(chain.open)
+        except BaseException:
+            loop.close()
+            raise
+        super().register_mem_pool_host(mem_pool_host)
+        self.config, self.namespace, self._pages, self._chain, self._loop = config, namespace, pages, chain, loop
+        self._seed = namespace.digest
+        _open_backends.add(self)
+        if self.settings.dump_config:
+            self._dump_config(self.settings.dump_config)
+        if self.settings.metrics_port is not None:
+            # One port a rank of the machine: rank pp_rank * tp_size + tp_rank (0: any free port).
+            rank = namespace.pp_rank * namespace.tp_size + namespace.tp_rank
+            port = self.settings.metrics_port + rank if self.settings.metrics_port else 0
+            self._metrics = MetricsEndpoint(self, self.settings.metrics_host, port)
+        log.info(
+            "hicache: SGLang storage over %s (%s, %s pages, TP %d/%d, PP %d/%d, %s)",
+            ", ".join(f"{t.name} ({t.backend.kind})" for t in tiers), config.model.name, mem_pool_host.layout,
+            namespace.tp_rank, namespace.tp_size, namespace.pp_rank, namespace.pp_size,
+            "writes" if namespace.writes_storage else "reads only (another rank writes these pages)",
+        )
+
+    def _dump_config(self, path: str) -> None:
+        assert self.config is not None and self.namespace is not None
+        target = path.replace("{tp_rank}", str(self.namespace.tp_rank)).replace("{pp_rank}", str(self.namespace.pp_rank))
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(self.config.to_yaml())
+
+    # -- what the metrics collector reads (``hicache.metrics.HiCacheCollector``) -----------------
+
+    @property
+    def loop(self) -> Any:
+        return None if self._loop is None else self._loop.loop
+
+    def stats(self) -> CacheStats:
+        if self._chain is None:
+            raise RuntimeError("hicache's SGLang backend has no host pool yet")
+        return self._chain.stats()
+
+    # -- the bridge to the event loop -----------------------------------------------------------
+
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        return external_page_keys(self._seed, keys)
+
+    def _run(self, verb: str, fn: Any, *args: Any) -> int:
+        """Run a chain call on the loop; any error is a counted miss (0), never an exception."""
+        if self._chain is None or self._loop is None:
+            return 0
+        try:
+            return int(self._loop.call(fn, *args))
+        except Exception as exc:  # noqa: BLE001 - SGLang's threads must not die of it: a miss
+            self.failed_calls += 1
+            self._warn.warning(
+                verb, "hicache: %s failed (%s: %s); answered as a miss (%d such calls so far)",
+                verb, type(exc).__name__, exc, self.failed_calls,
+            )
+            return 0
+
+    # -- zero-copy path -------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        if not keys or self._chain is None:
+            return 0
+        return self._run("exists", self._chain.exists, self._keys(keys))
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        pages = self._host_pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        assert self._chain is not None
+        got = self._run("read", self._chain.fetch, self._keys(keys), pages, self._pages)
+        return [True] * got + [False] * (len(keys) - got)
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        pages = self._host_pages(keys, host_indices)
+        if pages is None:
+            return [False] * len(keys)
+        assert self._chain is not None
+        held = self._run("write", self._chain.store, self._keys(keys), pages, self._pages)
+        return [True] * held + [False] * (len(keys) - held)
+
+    def _host_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
+        if self._pages is None or not keys:
+            return None
+        pages = pages_of(host_indices, self._pages.page_size, len(keys))
+        if pages is None or (pages and max(pages) >= self._pages.num_pages):
+            self.failed_calls += 1
+            self._warn.warning(
+                "indices", "hicache: %d keys with host indices that are not %d whole pages of the pool; a miss",
+                len(keys), len(keys),
+            )
+            return None
+        return pages
+
+    # -- copy path ------------------------------------------------------------------------------
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        if not keys or self._chain is None or self._pages is None:
+            return [None] * len(keys)
+        if target_locations is None:
+            target_locations = [self.mem_pool_host.get_dummy_flat_data_page() for _ in keys]
+        try:
+            flat = FlatPages(target_locations, self._pages.page_bytes)
+        except ValueError as exc:
+            self.failed_calls += 1
+            self._warn.warning("flat", "hicache: batch_get: %s; a miss", exc)
+            return [None] * len(keys)
+        got = self._run("read", self._chain.fetch, self._keys(keys), list(range(len(keys))), flat)
+        return [*flat.tensors[:got], *([None] * (len(keys) - got))]
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        if not keys:
+            return True
+        if self._chain is None or self._pages is None or values is None or len(values) != len(keys):
+            return False
+        try:
+            flat = FlatPages(values, self._pages.page_bytes)
+        except ValueError as exc:
+            self.failed_calls += 1
+            self._warn.warning("flat", "hicache: batch_set: %s; not written", exc)
+            return False
+        return self._run("write", self._chain.store, self._keys(keys), list(range(len(keys))), flat) == len(keys)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], None if value is None else [value])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- housekeeping ---------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Remove every page of every tier (SGLang's ``/clear_hicache_storage_backend``): shared tiers too."""
+        if self._chain is not None and self._loop is not None:
+            log.warning("hicache: clearing every storage tier on SGLang's request")
+            try:
+                self._loop.call(self._chain.clear)
+            except Exception as exc:  # noqa: BLE001 - a backend that cannot clear says so in the log
+                log.warning("hicache: clear failed: %r", exc)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` (pages and GB/s of each call since the last ask), when it asks."""
+        if self._chain is None or self._loop is None or not self._loop.running:
+            return None
+        try:
+            return self._loop.call(_drain, self._chain)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def close(self) -> None:
+        """Close the tiers and stop the loop; idempotent (SGLang's detach, process exit)."""
+        chain, loop, metrics = self._chain, self._loop, self._metrics
+        self._chain = self._loop = self._metrics = None
+        _open_backends.discard(self)
+        if metrics is not None:
+            metrics.close()
+        if loop is not None:
+            try:
+                if chain is not None and loop.running:
+                    loop.call(chain.aclose)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("hicache: closing the storage tiers failed: %r", exc)
+            finally:
+                loop.close()
+
+    def __repr__(self) -> str:
+        ns = self.namespace
+        where = "unbound" if ns is None else f"tp {ns.tp_rank}/{ns.tp_size} pp {ns.pp_rank}/{ns.pp_size}"
+        return f"<HiCacheStorageBackend {where} {'open' if self._chain else 'closed'}>"
+
+
+async def _drain(chain: StorageChain) -> Any:
+    reads, writes = list(chain.reads), list(chain.writes_done)
+    chain.reads.clear()
+    chain.writes_done.clear()
+    return sglang_storage_metrics(reads, writes)
+
+
+# Backends SGLang never closed are closed at exit (their loops are daemon threads: nothing hangs).
+_open_backends: weakref.WeakSet[HiCacheStorageBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for backend in list(_open_backends):
+        backend.close()
