@@ -26,6 +26,7 @@ import anyio
 import torch
 
 from .config import StorageTierConfig, storage_entry
+from .controller.loadback import bring_up
 from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
 from .leases import Lease, RetrieveView, SlotReservation
@@ -277,7 +278,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
         """Lease the longest cached prefix of ``tokens`` on the device tier.
 
         ``async with cache.retrieve(tokens) as view``: the prefix is pinned until the block exits;
-        pages found only on the host are loaded back layer by layer (see ``RetrieveView``).
+        pages found only on the host are loaded back layer by layer (see ``RetrieveView``). A
+        prefix larger than the host tier can hold (or pin) comes up by runs: a run is loaded to
+        the device, its host pages may go, the next run follows (from the host or from storage).
         """
         self.controller.check_open()
         tb = as_token_bytes(tokens)
@@ -290,31 +293,11 @@ class HiCache(anyio.AsyncContextManagerMixin):
         num_tokens = len(tb) // TOKEN_BYTES
         started = time.perf_counter()
         ctl.counters.retrieves += 1
-        # Pages that only storage holds arrive in host memory first (as the prefetch policy allows).
-        await ctl.prefetcher.before_retrieve(tb)
-        path = ctl.tree.match(tb, split=True).path
-        pin = Pin(path[-1]) if path else None
-        loaded = 0
-        from_storage: dict[str, int] = {}
+        brought = await bring_up(ctl, tb)
+        path, pin, jobs, loaded, from_storage = (
+            brought.path, brought.pin, brought.jobs, brought.loaded, brought.from_storage,
+        )
         try:
-            jobs: list[LoadJob] = []
-            host_only = [nd for nd in path if nd.device is None]
-            if host_only:
-                dev = await ctl.evictor.alloc_device(sum(nd.num_pages for nd in host_only), partial=True)
-                # While we awaited, other calls may have split nodes of the path or started loading
-                # some of them; the pin kept them all, so re-derive the path from its deepest node.
-                path = ctl.tree.path_to(path[-1])
-                host_only = [nd for nd in path if nd.device is None]
-                path, host_only, dev = self._fit_load(path, host_only, dev)
-                if pin is not None and (not path or path[-1] is not pin.node):
-                    old, pin = pin, (Pin(path[-1]) if path else None)
-                    old.release()
-                if host_only:
-                    loaded = len(dev)
-                    from_storage = self._take_sources(host_only)
-                    jobs.append(await ctl.submit_load(host_only, dev, path[-1]))
-                    # Awaiting the queue let other calls split nodes again: re-derive once more.
-                    path = ctl.tree.path_to(pin.node if pin is not None else None)
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
                 if job not in jobs:
                     jobs.append(job)
@@ -374,35 +357,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
         for job in waiting:
             job.watchers.append(watcher(job))
 
-    def _fit_load(
-        self, path: list[TreeNode], host_only: list[TreeNode], dev: list[int]
-    ) -> tuple[list[TreeNode], list[TreeNode], list[int]]:
-        """Trim the host-only tail of ``path`` to the device pages we got; free the surplus."""
-        need = sum(nd.num_pages for nd in host_only)
-        ctl = self.controller
-        if len(dev) >= need:
-            ctl.device.allocator.free(dev[need:])
-            return path, host_only, dev[:need]
-        # The device is full of leased pages: serve a shorter prefix, and say so.
-        ctl.counters.short_retrieves += 1
-        ctl.counters.short_retrieve_tokens += (need - len(dev)) * self._page_size
-        kept: list[TreeNode] = []
-        room = len(dev)
-        for node in host_only:
-            if room >= node.num_pages:
-                kept.append(node)
-                room -= node.num_pages
-                continue
-            if room > 0:
-                kept.append(ctl.tree.split(node, room))  # load the prefix that fits
-                room = 0
-            break
-        cut = path.index(host_only[0])
-        path = path[:cut] + kept
-        used = sum(nd.num_pages for nd in kept)
-        ctl.device.allocator.free(dev[used:])
-        return path, kept, dev[:used]
-
     def _read_layer(self, device_pages: list[int], layer: int) -> tuple[torch.Tensor, ...]:
         self.controller.check_open()  # the pool is gone once the cache is closed
         out = self.controller.engine.device_layer(device_pages, layer)
@@ -414,16 +368,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
         for node in path:
             node.hit_count += 1
             node.last_access = now
-
-    @staticmethod
-    def _take_sources(loaded: list[TreeNode]) -> dict[str, int]:
-        """Pages among ``loaded`` that a prefetch brought from storage, by tier (counted once)."""
-        out: dict[str, int] = {}
-        for node in loaded:
-            if node.source is not None:
-                out[node.source] = out.get(node.source, 0) + node.num_pages
-                node.source = None
-        return out
 
     def _count_retrieve(self, num_tokens: int, by_tier: Mapping[str, int]) -> None:
         ctl = self.controller

@@ -4,7 +4,9 @@ Workers:
 
 * ``backup``: device -> host copies asked for by the write policy. Fed by a bounded stream, so a
   write-through ``store`` feels backpressure instead of queueing without limit; it batches every job
-  waiting in the stream into one copy.
+  waiting in the stream into one copy a round. A node larger than the host room it can get is
+  copied by runs (split), each run's storage write queued before the next run needs its room, so
+  a host tier smaller than one prompt still carries every page down to storage.
 * ``load``: host -> device load-back for ``retrieve``, layer by layer; each layer's arrival wakes the
   callers waiting on it.
 * ``eviction``: kicked when device usage crosses the high watermark; evicts down to the low one in
@@ -37,7 +39,7 @@ import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import CacheClosedError, CapacityError, WorkerFailedError
+from ..errors import CacheClosedError, WorkerFailedError
 from ..io.transfer import TransferEngine
 from ..keys import TokenBytes
 from ..policies.base import EvictionPolicy, WritePolicy
@@ -187,6 +189,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
+            pin_room=self.evictor.wait_pin_room,
         )
         backup_send, backup_recv = anyio.create_memory_object_stream[BackupJob](self.backup_queue)
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
@@ -356,11 +359,10 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.frees_device.add()
         return BackupJob(node, list(node.keys), list(node.device), Pin(node, job=True))
 
-    def _finish_backup(self, job: BackupJob, host_pages: list[int] | None) -> None:
-        for covered, start, end in self.tree.covering(job.node, job.keys):
+    def _finish_backup(self, job: BackupJob) -> None:
+        """End the job: its runs have their host pages already; what was not copied stays owed."""
+        for covered, _, _ in self.tree.covering(job.node, job.keys):
             covered.backing_up = False
-            if host_pages is not None:
-                covered.host = host_pages[start:end]
         job.pin.release()
         self.backup_jobs.done()
         self.frees_device.done()
@@ -377,14 +379,14 @@ class CacheController(anyio.AsyncContextManagerMixin):
             else:
                 self._backup_send.send_nowait(job)
         except anyio.WouldBlock:
-            self._finish_backup(job, None)
+            self._finish_backup(job)
             self.counters.backups_skipped += len(job.device_pages)
             return False
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            self._finish_backup(job, None)
+            self._finish_backup(job)
             raise self._stopped() from exc
         except BaseException:
-            self._finish_backup(job, None)
+            self._finish_backup(job)
             raise
         return True
 
@@ -405,7 +407,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
                 try:
                     await self._yield_to_compute()
                 except BaseException:
-                    self._finish_backup(job, None)  # cancelled while waiting: the job ends here
+                    self._finish_backup(job)  # cancelled while waiting: the job ends here
                     raise
                 await self._run_backups(_with_queued(job, receive, _BACKUP_BATCH))
         finally:
@@ -413,37 +415,86 @@ class CacheController(anyio.AsyncContextManagerMixin):
                 self._storage_send.close()  # no more backups: the storage worker may drain and stop
 
     async def _run_backups(self, batch: list[BackupJob]) -> None:
+        """Copy the jobs' device pages to the host in rounds, one run per job and round, one copy a round.
+
+        A job gets the host pages it can have (``alloc_host(partial=True)``, which evicts and waits
+        as any allocation does); when that is fewer than it has left, the run it got is split off
+        as a node of its own (``_split_run``), copied, and its storage write queued. Under a policy
+        that owes the pages to storage, the next round's allocation can then drop that run from the
+        host once written, so a node larger than the whole host tier still reaches storage run by
+        run. Without storage below, a short run ends the job: cycling the host would only copy
+        pages the next run drops again (the rest is spilled at device eviction, by runs too).
+        A job that gets no host page ends; what it did not copy is counted in ``backups_skipped``.
+        """
+        left = list(batch)
+        try:
+            while left:
+                runs, left = await self._backup_round(left)
+                # Queueing may wait, and the tree may change meanwhile (a node evicted by then is no
+                # longer wanted, which host_copy_made checks).
+                for node in runs:
+                    await self.host_copy_made(node)
+        except BaseException:
+            for job in left:
+                self._finish_backup(job)
+            raise
+
+    async def _backup_round(self, jobs: list[BackupJob]) -> tuple[list[TreeNode], list[BackupJob]]:
+        """One run of each job; returns the nodes that got host pages and the jobs to go on with."""
         placed: list[tuple[BackupJob, list[int]]] = []
         try:
-            for job in batch:
-                try:
-                    placed.append((job, await self.evictor.alloc_host(len(job.device_pages))))
-                except CapacityError:
-                    self.counters.backups_skipped += len(job.device_pages)
-            src = [p for job, _ in placed for p in job.device_pages]
+            for job in jobs:
+                pages = await self.evictor.alloc_host(len(job.keys) - job.done, partial=True)
+                if pages:
+                    placed.append((job, pages))
+            # No await from here to the copy: the runs' nodes cannot be split under us.
+            src = [p for job, pages in placed for node in self._split_run(job, len(pages)) for p in node.device or ()]
             dst = [p for _, pages in placed for p in pages]
             if src:
-                await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
+                # From here on it waits for nothing but the copy: an allocation of host pages may wait for it.
+                with self.frees_host.running():
+                    await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
         except BaseException:
             for _, pages in placed:
                 self.host.allocator.free(pages)
-            for job in batch:
-                self._finish_backup(job, None)
             raise
-        done = {id(job) for job, _ in placed}
+        runs: list[TreeNode] = []
+        got = {id(job) for job, _ in placed}
         for job, pages in placed:
-            self._finish_backup(job, pages)
-        for job in batch:
-            if id(job) not in done:
-                self._finish_backup(job, None)
+            first = job.done
+            job.done += len(pages)
+            for covered, start, end in self.tree.covering(job.node, job.keys):
+                if first <= start and end <= job.done:  # splits since the copy only add boundaries
+                    covered.host = pages[start - first : end - first]
+                    covered.backing_up = False
+                    runs.append(covered)
         self.counters.backups += len(src)
         self.counters.bytes_moved["device_to_host"] += len(src) * self.device.geometry.page_bytes
         self.kick_eviction()  # backed-up pages may now be evicted for free
-        # Collected before the first await: queueing may wait, and the tree may change meanwhile
-        # (a node evicted by then is no longer wanted, which host_copy_made checks).
-        backed_up = [covered for job, _ in placed for covered, _, _ in self.tree.covering(job.node, job.keys)]
-        for node in backed_up:
-            await self.host_copy_made(node)
+        going_on: list[BackupJob] = []
+        for job in jobs:
+            rest = len(job.keys) - job.done
+            if rest and id(job) in got and self.residency.owed_below(job.node):
+                going_on.append(job)  # the next run goes through the host once this one is written
+                continue
+            self.counters.backups_skipped += rest
+            self._finish_backup(job)
+        runs.reverse()  # covering lists deepest first: queue the writes prefix first
+        return runs, going_on
+
+    def _split_run(self, job: BackupJob, pages: int) -> list[TreeNode]:
+        """The nodes holding the job's next ``pages`` pages, prefix first; the last one is split
+        so that the run ends on a node boundary (the job's pages after it stay owed)."""
+        first, end = job.done, job.done + pages
+        out: list[TreeNode] = []
+        for covered, start, stop in reversed(self.tree.covering(job.node, job.keys)):
+            if stop <= first or start >= end:
+                continue
+            assert start >= first, "a backup run starts on a node boundary (the last run's end)"
+            if stop > end:
+                covered = self.tree.split(covered, end - start)  # the prefix: the run's last part
+            out.append(covered)
+        return out
 
     # -- storage (host -> storage) --------------------------------------------------------------
 
