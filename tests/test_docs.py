@@ -9,14 +9,15 @@ parsed, ``make`` dry-runs, configs are validated, not opened.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import typing
 from pathlib import Path
@@ -272,12 +273,9 @@ def validate_yaml(text: str, workdir: Path) -> str | None:
         return f"not a mapping of settings: {type(data).__name__}"
     path = workdir / "block.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    main = hicache_main()
-    out, err = __import__("io").StringIO(), __import__("io").StringIO()
-    import contextlib
-
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["config", str(path)])
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = hicache_main()(["config", str(path)])
     return None if code == 0 else f"hicache config: {err.getvalue().strip()}"
 
 

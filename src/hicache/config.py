@@ -219,7 +219,8 @@ _CODEC_OPTIONS: dict[str, set[str]] = {"int8": set(), "lossless": {"coder", "lev
 class CodecConfig(BaseModel):
     """One stage of a storage tier's ``codec`` list (docs/codecs.md).
 
-    Written as a name (``lossless``) or a mapping (``{kind: aes-gcm, key: "${PAGE_KEY}"}``: in a YAML flow mapping the ``${...}`` must be quoted):
+    Written as a name (``lossless``) or a mapping (``{kind: aes-gcm, key: "${PAGE_KEY}"}``; in a YAML
+    flow mapping the ``${...}`` must be quoted):
 
     * ``int8``: 8-bit KV, K scaled per channel and V per token (lossy: its pages are another namespace);
     * ``lossless``: byte-shuffle + ``coder`` (``zstd`` at ``level``, or ``lz4``), from blosc2;
