@@ -217,9 +217,10 @@ _CODEC_OPTIONS: dict[str, set[str]] = {"int8": set(), "lossless": {"coder", "lev
 
 
 class CodecConfig(BaseModel):
-    """One stage of a storage tier's ``codec`` list (README "Storage tiers: codecs").
+    """One stage of a storage tier's ``codec`` list (docs/codecs.md).
 
-    Written as a name (``lossless``) or a mapping (``{kind: aes-gcm, key: ${PAGE_KEY}}``):
+    Written as a name (``lossless``) or a mapping (``{kind: aes-gcm, key: "${PAGE_KEY}"}``; in a YAML
+    flow mapping the ``${...}`` must be quoted):
 
     * ``int8``: 8-bit KV, K scaled per channel and V per token (lossy: its pages are another namespace);
     * ``lossless``: byte-shuffle + ``coder`` (``zstd`` at ``level``, or ``lz4``), from blosc2;
@@ -449,7 +450,7 @@ class ControllerConfig(BaseModel):
 
 
 class LoggingConfig(BaseModel):
-    """How hicache logs (README: "Operating hicache"); by default it leaves logging to the application."""
+    """How hicache logs (docs/operating.md, "Logs"); by default it leaves logging to the application."""
 
     model_config = _FROZEN
 
@@ -500,8 +501,8 @@ class HiCacheConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     page_size: _Int = Field(default=64, ge=1, le=MAX_PAGE_SIZE)
     tenant_salt: str = ""
-    #: The tenant's secret: keys page names and a MAC over every page in storage (see the README's
-    #: "Security model"). Empty or unset: no key (pages carry an unkeyed checksum, integrity only).
+    #: The tenant's secret: keys page names and a MAC over every page in storage (see
+    #: docs/security.md). Empty or unset: no key (pages carry an unkeyed checksum, integrity only).
     tenant_key: SecretStr | None = None
     tiers: TiersConfig = Field(default_factory=TiersConfig)
     policies: PoliciesConfig = Field(default_factory=PoliciesConfig)
