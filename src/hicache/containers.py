@@ -22,7 +22,7 @@ from .errors import ConfigError
 from .io.direct import DirectIOBackend
 from .io.kernel import KernelIOBackend
 from .io.transfer import TransferEngine
-from .keys import Namespace
+from .keys import Namespace, TenantKey
 from .policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
 from .policies.prefetch import BestEffort, Timeout, WaitComplete
 from .policies.write import WriteBack, WriteThrough, WriteThroughSelective
@@ -36,9 +36,32 @@ from .tiers.storage.registry import resolve_backend
 from .tiers.storage.tier import StorageTier
 
 __all__ = [
-    "Container", "geometry_from_config", "inspection_target", "page_codec_from_config", "storage_tier_from_entry",
+    "Container", "geometry_from_config", "inspection_target", "namespace_from_config", "page_codec_from_config", "storage_tier_from_entry",
     "storage_tiers_from_config", "tier_page_codec",
 ]
+
+
+def namespace_from_config(config: HiCacheConfig) -> Namespace:
+    """The namespace a config's pages live in: model identity, geometry, page size, tenant, rank slice."""
+    m, p = config.model, config.parallel
+    return Namespace(
+        model=m.name,
+        revision=m.revision,
+        attention=m.attention,
+        num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        dtype=m.dtype,
+        page_size=config.page_size,
+        tenant_salt=config.tenant_salt,
+        tenant_key=None if config.tenant_key is None else TenantKey(config.tenant_key.get_secret_value()),
+        tp_rank=p.tp_rank,
+        tp_size=p.tp_size,
+        pp_rank=p.pp_rank,
+        pp_size=p.pp_size,
+        first_layer=p.pp_rank * m.num_layers if p.first_layer is None else p.first_layer,
+        total_kv_heads=p.total_kv_heads,
+    )
 
 
 def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
@@ -97,7 +120,7 @@ def storage_tiers_from_config(config: HiCacheConfig, codec: PageCodec, host: Hos
 
 
 def page_codec_from_config(config: HiCacheConfig) -> PageCodec:
-    namespace = Namespace.from_config(config)
+    namespace = namespace_from_config(config)
     return PageCodec(namespace=namespace.digest, geometry=geometry_from_config(config), tenant_key=namespace.tenant_key)
 
 
@@ -126,7 +149,7 @@ class Container(containers.DeclarativeContainer):
     config = providers.Dependency(instance_of=HiCacheConfig)
 
     geometry = providers.Singleton(geometry_from_config, config)
-    namespace = providers.Singleton(Namespace.from_config, config)
+    namespace = providers.Singleton(namespace_from_config, config)
     tree = providers.Singleton(
         HiRadixTree,
         page_size=config.provided.page_size,
