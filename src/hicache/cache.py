@@ -20,12 +20,12 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import torch
 
-from .config import StorageTierConfig, storage_entry
+from .config import StorageTierConfig
 from .controller.loadback import bring_up
 from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
@@ -72,6 +72,10 @@ class StoreResult:
 class HiCache(anyio.AsyncContextManagerMixin):
     """A hierarchical KV cache: device and host tiers under one radix index."""
 
+    #: What ``from_config`` builds with: the composition root's ``containers.build_cache``, which it
+    #: installs as ``hicache`` is imported (this module never imports the composition root).
+    _builder: ClassVar[Callable[[HiCacheConfig], HiCache] | None] = None
+
     def __init__(
         self,
         config: HiCacheConfig,
@@ -79,11 +83,13 @@ class HiCache(anyio.AsyncContextManagerMixin):
         namespace: Namespace,
         *,
         build_storage_tier: Callable[[StorageTierConfig], StorageTier] | None = None,
+        check_storage_entry: Callable[..., StorageTierConfig] | None = None,
     ) -> None:
         self.config = config
         self.controller = controller
         self.namespace = namespace
         self._build_storage_tier = build_storage_tier
+        self._check_storage_entry = check_storage_entry
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop the cache runs on, while open
         g = controller.device.geometry
         self._geometry = g
@@ -93,9 +99,14 @@ class HiCache(anyio.AsyncContextManagerMixin):
     @classmethod
     def from_config(cls, config: HiCacheConfig) -> HiCache:
         """Build a cache and all its parts from a config (through the composition root)."""
-        from .containers import Container
+        if HiCache._builder is None:  # pragma: no cover - `import hicache` installs it
+            raise RuntimeError("no composition root installed: import hicache (hicache.containers)")
+        return HiCache._builder(config)
 
-        return Container(config=config).cache()
+    @staticmethod
+    def install_builder(build: Callable[[HiCacheConfig], HiCache]) -> None:
+        """Set what ``from_config`` builds with (the composition root does, once)."""
+        HiCache._builder = build
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[HiCache]:
@@ -486,14 +497,14 @@ class HiCache(anyio.AsyncContextManagerMixin):
         and its settings read nothing from this process's environment (``config.REQUEST_CONTEXT``).
         """
         self.controller.check_open()
-        if self._build_storage_tier is None:
+        if self._build_storage_tier is None or self._check_storage_entry is None:
             raise ConfigError("this cache was not built by HiCache.from_config: it cannot build storage tiers")
         if isinstance(entry, StorageTierConfig):
             if from_request:
                 raise ConfigError("attach_storage: an entry from a request is a mapping, validated here")
             validated = entry
         else:
-            validated = storage_entry(entry, "attach_storage", from_request=from_request)
+            validated = self._check_storage_entry(entry, "attach_storage", from_request=from_request)
         change = await self.controller.attach_storage(self._build_storage_tier(validated), position)
         storage = list(self.config.tiers.storage)
         storage.insert(change.position, validated)
