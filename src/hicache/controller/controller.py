@@ -136,7 +136,6 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.residency = Residency(
             write_policy, has_host=host.num_pages > 0, storage=self.storage, writes_storage=writes_storage
         )
-        self.chain = StorageChain(self)
         self.failure: WorkerFailedError | None = None
         # Set by an engine that knows when it computes (CachedCausalLM: its ComputeGate's
         # wait_no_prefill): backups and storage writes wait for it, at most yield_max_s each time,
@@ -150,6 +149,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.limiter: anyio.CapacityLimiter
         self.evictor: Evictor
         self.prefetcher: Prefetcher
+        self.chain: StorageChain
         self.jobs: JobTracker
         self._task_group: anyio.abc.TaskGroup
         self._storage_send: MemoryObjectSendStream[StorageJob] | None = None
@@ -190,6 +190,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
             pin_room=self.evictor.wait_pin_room,
+        )
+        self.chain = StorageChain(
+            self.storage, host=self.host, tree=self.tree, writer=self.storage_writer, prefetcher=self.prefetcher,
+            storage_jobs=self.storage_jobs, check_open=self.check_open, start_storage_worker=self.ensure_storage_worker,
+            close_with_cache=self.close_with_cache, default_timeout_s=self.shutdown_timeout_s,
         )
         backup_send, backup_recv = anyio.create_memory_object_stream[BackupJob](self.backup_queue)
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
@@ -304,9 +309,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
     # -- the storage chain at runtime (storage_chain.py) ------------------------------------------
 
     async def attach_storage(self, tier: StorageTier, position: int | None = None) -> StorageChange:
+        self.check_open()  # the chain exists while the cache is open
         return await self.chain.attach(tier, position)
 
     async def detach_storage(self, name: str, *, drain: bool = True, timeout_s: float | None = None) -> StorageChange:
+        self.check_open()
         return await self.chain.detach(name, drain=drain, timeout_s=timeout_s)
 
     async def ensure_storage_worker(self) -> None:
