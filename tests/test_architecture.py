@@ -156,3 +156,17 @@ def test_config_describes_keys_and_stats_take_values(graph: dict[str, set[str]])
     assert inside["hicache.keys"] <= {"hicache.errors"}
     assert inside["hicache.stats"] == set()
     assert "hicache.containers" not in inside["hicache.cache"]
+
+
+def test_only_the_residency_rule_asks_the_write_policy() -> None:
+    """Which copies a page is owed is decided in one place (controller/residency.py), asked once per
+    store, commit or hit by the controller; the facade and the other parts never ask the policy."""
+    asks = {"backup_on_insert", "backup_on_hit", "store_on_host", "promises_lower", "spill_on_evict"}
+    askers = set()
+    for name, path in modules(SRC).items():
+        if within(name, ("hicache.policies",)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in asks:
+                askers.add(name)
+    assert askers == {"hicache.controller.residency"}
