@@ -20,17 +20,16 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import torch
 
-from .config import StorageTierConfig, storage_entry
+from .config import StorageTierConfig
 from .controller.loadback import bring_up
 from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
 from .leases import Lease, RetrieveView, SlotReservation
-from .radix_tree import Pin, TreeNode
 from .stats import CacheStats, TierStats
 
 if TYPE_CHECKING:
@@ -72,6 +71,10 @@ class StoreResult:
 class HiCache(anyio.AsyncContextManagerMixin):
     """A hierarchical KV cache: device and host tiers under one radix index."""
 
+    #: What ``from_config`` builds with: the composition root's ``containers.build_cache``, which it
+    #: installs as ``hicache`` is imported (this module never imports the composition root).
+    _builder: ClassVar[Callable[[HiCacheConfig], HiCache] | None] = None
+
     def __init__(
         self,
         config: HiCacheConfig,
@@ -79,11 +82,13 @@ class HiCache(anyio.AsyncContextManagerMixin):
         namespace: Namespace,
         *,
         build_storage_tier: Callable[[StorageTierConfig], StorageTier] | None = None,
+        check_storage_entry: Callable[..., StorageTierConfig] | None = None,
     ) -> None:
         self.config = config
         self.controller = controller
         self.namespace = namespace
         self._build_storage_tier = build_storage_tier
+        self._check_storage_entry = check_storage_entry
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop the cache runs on, while open
         g = controller.device.geometry
         self._geometry = g
@@ -93,9 +98,14 @@ class HiCache(anyio.AsyncContextManagerMixin):
     @classmethod
     def from_config(cls, config: HiCacheConfig) -> HiCache:
         """Build a cache and all its parts from a config (through the composition root)."""
-        from .containers import Container
+        if HiCache._builder is None:  # pragma: no cover - `import hicache` installs it
+            raise RuntimeError("no composition root installed: import hicache (hicache.containers)")
+        return HiCache._builder(config)
 
-        return Container(config=config).cache()
+    @staticmethod
+    def install_builder(build: Callable[[HiCacheConfig], HiCache]) -> None:
+        """Set what ``from_config`` builds with (the composition root does, once)."""
+        HiCache._builder = build
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[HiCache]:
@@ -197,7 +207,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
         the KV of ``tokens[start:]``. An engine that retrieved a prefix passes ``start=view.tokens``
         and only the KV it computed; ``start`` is a multiple of ``page_size``, and pages after a gap
         (``tokens[:start]`` no longer cached) cannot be attached and are dropped.
-        New pages go to the device tier, and to the host tier when the device cannot make room.
+        Where the new pages go and which copies they are owed is the controller's decision
+        (``controller/placement.py``, ``controller/residency.py``): this validates, calls, reports.
         """
         ctl = self.controller
         ctl.check_open()
@@ -210,67 +221,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
             )
         self._check_kv(kv, num_tokens - start)
         _check_priority(priority)
-        ctl.counters.stores += 1
-        full = num_tokens // ps
-        match = ctl.tree.match(tb)
-        if match.pages >= full:
-            self._touch(match.path)
-            return StoreResult(0, full * ps)
-        if match.pages * ps < start:
-            # tokens[match:start] are neither cached nor given: later pages have nothing to attach to.
-            dropped = full - start // ps
-            ctl.counters.dropped_pages += dropped
-            return StoreResult(0, match.pages * ps, dropped * ps)
-        first, need = match.pages, full - match.pages
-        pin = Pin(match.path[-1]) if match.path else None
-        try:
-            # Device residency is prefix-closed: pages after a host-only prefix go to host.
-            parent_on_device = not match.path or match.path[-1].device is not None
-            dev = await ctl.evictor.alloc_device(need, partial=True) if parent_on_device else []
-            try:
-                host = await ctl.evictor.alloc_host(need - len(dev), partial=True)
-            except BaseException:
-                ctl.device.allocator.free(dev)
-                raise
-            with ctl.publishing():
-                try:
-                    await anyio.to_thread.run_sync(
-                        self._write_user_pages, kv, first - start // ps, dev, host, limiter=ctl.limiter
-                    )
-                except BaseException:
-                    ctl.device.allocator.free(dev)
-                    ctl.host.allocator.free(host)
-                    raise
-                inserted = ctl.insert_pages(tb, first, dev, host, priority)
-            # The prefix may have left the device meanwhile: then our device pages move to the host.
-            placed = await ctl.place_unplaced(tb, inserted, priority)
-        finally:
-            if pin is not None:
-                pin.release()
-        nodes = placed.nodes
-        stored = placed.stored
-        dropped = need - stored - placed.duplicates
-        ctl.counters.stored_pages += stored
-        ctl.counters.dropped_pages += dropped
-        ctl.counters.bytes_moved["user_to_device"] += len(dev) * self._geometry.page_bytes
-        ctl.counters.bytes_moved["user_to_host"] += len(host) * self._geometry.page_bytes
-        ctl.kick_eviction()
-        await self._backup_new(nodes)
-        return StoreResult(stored * ps, (first + placed.duplicates) * ps, dropped * ps)
-
-    def _write_user_pages(self, kv: torch.Tensor, first: int, dev: list[int], host: list[int]) -> None:
-        engine = self.controller.engine
-        engine.user_to_pool(kv, first, self.controller.device, dev)
-        engine.user_to_pool(kv, first + len(dev), self.controller.host, host)
-
-    async def _backup_new(self, nodes: list[TreeNode]) -> None:
-        ctl = self.controller
-        for node in nodes:
-            if node.device is not None:
-                if ctl.write_policy.backup_on_insert(node):
-                    await ctl.submit_backup(node)  # its storage write follows the host copy
-            else:
-                await ctl.host_copy_made(node)  # placed on the host directly (device full)
+        placed = await ctl.store(tb, kv, start=start, priority=priority)
+        return StoreResult(placed.stored * ps, placed.cached * ps, placed.dropped * ps)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -301,14 +253,11 @@ class HiCache(anyio.AsyncContextManagerMixin):
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
                 if job not in jobs:
                     jobs.append(job)
-            self._touch(path)
+            ctl.tree.touch(path)
             # Fixed now: the pages are pinned, so later splits cannot change what the view holds.
             hit_pages = sum(nd.num_pages for nd in path)
             device_pages = [p for nd in path for p in (nd.device or [])]
-            for node in path:
-                if ctl.write_policy.backup_on_hit(node):
-                    await ctl.submit_backup(node, wait=False)
-                await ctl.host_copy_made(node, wait=False)  # selective write-through reaches storage when hot
+            await ctl.owe_copies(path, hit=True, wait=False)  # selective write-through: copies once hot
         except BaseException:
             if pin is not None:
                 pin.release()
@@ -363,12 +312,6 @@ class HiCache(anyio.AsyncContextManagerMixin):
         self.controller.counters.bytes_moved["device_to_user"] += sum(t.numel() * t.element_size() for t in out)
         return out
 
-    def _touch(self, path: list[TreeNode]) -> None:
-        now = time.monotonic()
-        for node in path:
-            node.hit_count += 1
-            node.last_access = now
-
     def _count_retrieve(self, num_tokens: int, by_tier: Mapping[str, int]) -> None:
         ctl = self.controller
         c = ctl.counters
@@ -411,14 +354,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
             raise InvalidRequestError(f"first_page must be a non-negative int, got {first_page!r}")
         _check_priority(priority)
         # Validated: from here the pages belong to the cache (published, or freed by the index).
-        inserted = ctl.insert_pages(tb, first_page, reservation.hand_over(), [], priority)
-        placed = await ctl.place_unplaced(tb, inserted, priority)
-        stored = placed.stored
-        ctl.counters.stored_pages += stored
-        ctl.counters.dropped_pages += placed.dropped
-        ctl.kick_eviction()
-        await self._backup_new(placed.nodes)
-        return stored * self._page_size
+        placed = await ctl.commit(tb, first_page, reservation.hand_over(), priority)
+        return placed.stored * self._page_size
 
     # -- observability --------------------------------------------------------------------------
 
@@ -486,14 +423,14 @@ class HiCache(anyio.AsyncContextManagerMixin):
         and its settings read nothing from this process's environment (``config.REQUEST_CONTEXT``).
         """
         self.controller.check_open()
-        if self._build_storage_tier is None:
+        if self._build_storage_tier is None or self._check_storage_entry is None:
             raise ConfigError("this cache was not built by HiCache.from_config: it cannot build storage tiers")
         if isinstance(entry, StorageTierConfig):
             if from_request:
                 raise ConfigError("attach_storage: an entry from a request is a mapping, validated here")
             validated = entry
         else:
-            validated = storage_entry(entry, "attach_storage", from_request=from_request)
+            validated = self._check_storage_entry(entry, "attach_storage", from_request=from_request)
         change = await self.controller.attach_storage(self._build_storage_tier(validated), position)
         storage = list(self.config.tiers.storage)
         storage.insert(change.position, validated)

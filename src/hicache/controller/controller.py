@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
@@ -51,33 +50,17 @@ from ..tiers.host import HostPool
 from ..tiers.storage.tier import StorageTier
 from .evictor import Evictor
 from .jobs import BackupJob, JobTracker, LoadEntry, LoadJob, StorageJob
+from .placement import Placed, Placement
 from .prefetch import Prefetcher
 from .residency import Residency
 from .storage_chain import StorageChain, StorageChange
 from .storage_writer import StorageWriter
 
-__all__ = ["CacheController", "Insertion"]
+__all__ = ["CacheController"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-@dataclass
-class Insertion:
-    """What ``insert_pages`` did with the pages it was given."""
-
-    nodes: list[TreeNode] = field(default_factory=list)  # new nodes, in order
-    duplicates: int = 0  # pages cached by another call meanwhile (freed)
-    dropped: int = 0  # pages that could not be attached (freed)
-    parent: TreeNode | None = None  # with unplaced pages: the host-only node they go under
-    at: int = 0  # the page index of the first unplaced page
-    unplaced_device: list[int] = field(default_factory=list)
-    unplaced_host: list[int] = field(default_factory=list)
-
-    @property
-    def stored(self) -> int:
-        return sum(nd.num_pages for nd in self.nodes)
-
 
 _BACKUP_BATCH = 128  # jobs merged into one device -> host copy
 _STORAGE_BATCH = 64  # jobs merged into one host -> storage write per tier
@@ -136,7 +119,6 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.residency = Residency(
             write_policy, has_host=host.num_pages > 0, storage=self.storage, writes_storage=writes_storage
         )
-        self.chain = StorageChain(self)
         self.failure: WorkerFailedError | None = None
         # Set by an engine that knows when it computes (CachedCausalLM: its ComputeGate's
         # wait_no_prefill): backups and storage writes wait for it, at most yield_max_s each time,
@@ -149,7 +131,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
         # Created on entry: anyio primitives need a running event loop.
         self.limiter: anyio.CapacityLimiter
         self.evictor: Evictor
+        self.placement: Placement
         self.prefetcher: Prefetcher
+        self.chain: StorageChain
         self.jobs: JobTracker
         self._task_group: anyio.abc.TaskGroup
         self._storage_send: MemoryObjectSendStream[StorageJob] | None = None
@@ -181,15 +165,25 @@ class CacheController(anyio.AsyncContextManagerMixin):
             storage_writer=self.storage_writer,  # used only while a storage tier is attached
             on_host_copy=lambda node: self.host_copy_made(node, wait=False),
         )
+        self.placement = Placement(
+            tree=self.tree, device=self.device, host=self.host, engine=self.engine, evictor=self.evictor,
+            counters=self.counters, limiter=self.limiter, frees_device=self.frees_device, frees_host=self.frees_host,
+            kick_eviction=self.kick_eviction,
+        )
         self.prefetcher = Prefetcher(
             tree=self.tree, tiers=self.storage, policy=self.prefetch_policy,
             threshold_tokens=self.prefetch_threshold_tokens, max_concurrent=self.max_prefetches,
             alloc_host=lambda n: self.evictor.alloc_host(n, partial=True), free_host=self.host.allocator.free,
-            insert_host=lambda tb, first, pages: self.insert_pages(tb, first, [], pages).nodes,
+            insert_host=lambda tb, first, pages: self.placement.insert_pages(tb, first, [], pages).nodes,
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
             pin_room=self.evictor.wait_pin_room,
+        )
+        self.chain = StorageChain(
+            self.storage, host=self.host, tree=self.tree, writer=self.storage_writer, prefetcher=self.prefetcher,
+            storage_jobs=self.storage_jobs, check_open=self.check_open, start_storage_worker=self.ensure_storage_worker,
+            close_with_cache=self.close_with_cache, default_timeout_s=self.shutdown_timeout_s,
         )
         backup_send, backup_recv = anyio.create_memory_object_stream[BackupJob](self.backup_queue)
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
@@ -271,7 +265,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             log.warning(
                 "hicache closed with %d pages the %s policy promised to storage not written there "
                 "(%d never reached the host, %d failed or ran out of shutdown_timeout_s=%.1fs)",
-                device + host, self.write_policy.name, device, host, self.shutdown_timeout_s,
+                device + host, self.residency.write_policy.name, device, host, self.shutdown_timeout_s,
             )
 
     async def _supervise(
@@ -304,9 +298,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
     # -- the storage chain at runtime (storage_chain.py) ------------------------------------------
 
     async def attach_storage(self, tier: StorageTier, position: int | None = None) -> StorageChange:
+        self.check_open()  # the chain exists while the cache is open
         return await self.chain.attach(tier, position)
 
     async def detach_storage(self, name: str, *, drain: bool = True, timeout_s: float | None = None) -> StorageChange:
+        self.check_open()
         return await self.chain.detach(name, drain=drain, timeout_s=timeout_s)
 
     async def ensure_storage_worker(self) -> None:
@@ -496,11 +492,37 @@ class CacheController(anyio.AsyncContextManagerMixin):
             out.append(covered)
         return out
 
+    # -- new pages: where they go (placement.py), which copies they are owed (residency.py) ------
+
+    async def store(self, tb: TokenBytes, kv: Any, *, start: int, priority: int) -> Placed:
+        """Place a store's new pages, then queue the copies down they are owed: ``HiCache.store``."""
+        placed = await self.placement.store(tb, kv, start=start, priority=priority)
+        await self.owe_copies(placed.nodes)
+        return placed
+
+    async def commit(self, tb: TokenBytes, first_page: int, device_pages: list[int], priority: int) -> Placed:
+        """Publish a reservation's device pages, then queue the copies they are owed: ``SlotReservation.commit``."""
+        placed = await self.placement.commit(tb, first_page, device_pages, priority)
+        await self.owe_copies(placed.nodes)
+        return placed
+
+    async def owe_copies(self, nodes: Iterable[TreeNode], *, hit: bool = False, wait: bool = True) -> None:
+        """Queue the copies down that ``nodes`` are owed now, as the residency rule says: right
+        after they were stored, or (``hit``) after a retrieve hit them. A device-only node may be
+        owed its host copy (its storage write follows that copy); a node with host pages its
+        storage write. ``wait=False``: skip a copy whose queue is full (a retrieve never waits)."""
+        for node in nodes:
+            if self.residency.host_copy_due(node, hit=hit):
+                await self.submit_backup(node, wait=wait)  # its storage write follows the host copy
+            else:
+                await self.host_copy_made(node, wait=wait)
+
     # -- storage (host -> storage) --------------------------------------------------------------
 
     async def host_copy_made(self, node: TreeNode, *, wait: bool = True) -> None:
-        """A node just got host pages: write them to storage if the write policy says so now."""
-        if self.storage_writer.wanted(node) and self.write_policy.store_on_host(node):
+        """A node has host pages (stored there, copied down, spilled): queue their storage write
+        if the residency rule says it is owed now."""
+        if self.storage_writer.wanted(node) and self.residency.storage_copy_due(node):
             await self.submit_storage_backup(node, wait=wait)
 
     async def submit_storage_backup(self, node: TreeNode, *, wait: bool = True) -> bool:
@@ -547,104 +569,6 @@ class CacheController(anyio.AsyncContextManagerMixin):
             finally:
                 for one, ok in zip(batch, results, strict=True):
                     self._finish_storage(one, ok)
-
-    # -- the index ------------------------------------------------------------------------------
-
-    def insert_pages(
-        self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0
-    ) -> Insertion:
-        """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
-
-        Synchronous, so nothing changes under it. Pages that another call cached meanwhile are
-        freed (``duplicates``); pages that cannot be attached after a gap are freed (``dropped``).
-        Device pages whose parent is host-only are not attached (device residency is
-        prefix-closed): they and the host pages after them come back in ``unplaced`` with the
-        node they go under, for ``place_unplaced`` to move to the host.
-        """
-        tree = self.tree
-        pb = tree.page_bytes
-        slots = [(True, p) for p in dev] + [(False, p) for p in host]  # (on device?, page)
-        usable = max(0, min(len(slots), len(tb) // pb - first))
-        self._free_slots(slots[usable:])
-        match = tree.match(tb[: (first + usable) * pb], split=True)
-        parent = match.path[-1] if match.path else tree.root
-        if match.pages < first:
-            # The pages before ours left the cache: ours cannot be attached without a gap.
-            self._free_slots(slots[:usable])
-            return Insertion(dropped=len(slots))
-        duplicates = match.pages - first
-        self._free_slots(slots[:duplicates])
-        rest = slots[duplicates:usable]
-        pos = first + duplicates
-        keep_dev = [p for on_dev, p in rest if on_dev]
-        keep_host = [p for on_dev, p in rest if not on_dev]
-        if keep_dev and parent is not tree.root and parent.device is None:
-            return Insertion(duplicates=duplicates, dropped=len(slots) - usable, parent=parent, at=pos,
-                             unplaced_device=keep_dev, unplaced_host=keep_host)
-        nodes: list[TreeNode] = []
-        for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
-            if not pages:
-                continue
-            node = tree.extend(parent, tb[pos * pb : (pos + len(pages)) * pb])
-            setattr(node, attr, pages)
-            node.priority = priority
-            nodes.append(node)
-            parent, pos = node, pos + len(pages)
-        return Insertion(nodes=nodes, duplicates=duplicates, dropped=len(slots) - usable)
-
-    def _free_slots(self, slots: list[tuple[bool, int]]) -> None:
-        self.device.allocator.free([p for on_dev, p in slots if on_dev])
-        self.host.allocator.free([p for on_dev, p in slots if not on_dev])
-
-    @contextmanager
-    def publishing(self) -> Iterator[None]:
-        """A store between its allocation and its insertion: its pages will soon be evictable, so
-        an allocation short of room may wait for it (it never waits for room itself in here)."""
-        self.frees_device.add()
-        self.frees_host.add()
-        try:
-            yield
-        finally:
-            self.frees_device.done()
-            self.frees_host.done()
-
-    async def place_unplaced(self, tb: TokenBytes, result: Insertion, priority: int = 0) -> Insertion:
-        """Move device pages that ``insert_pages`` could not attach (under a host-only node) to the host.
-
-        Stores never drop pages while the host has room: a prefix that left the device while a
-        store was running puts the new pages on the host, below it, instead.
-        """
-        if not result.unplaced_device:
-            return result
-        assert result.parent is not None
-        moving, after = result.unplaced_device, result.unplaced_host
-        pin = Pin(result.parent)  # the node they go under must stay while we copy
-        host_pages: list[int] = []
-        try:
-            try:
-                host_pages = await self.evictor.alloc_host(len(moving), partial=True)
-                if host_pages:
-                    await anyio.to_thread.run_sync(
-                        self.engine.device_to_host, moving[: len(host_pages)], host_pages, limiter=self.limiter
-                    )
-            except BaseException:
-                self.host.allocator.free(host_pages)
-                self._free_slots([(True, p) for p in moving] + [(False, p) for p in after])
-                raise
-            self.device.allocator.free(moving)
-            self.counters.bytes_moved["device_to_host"] += len(host_pages) * self.device.geometry.page_bytes
-            if len(host_pages) < len(moving):
-                # The host is full of leased pages: what follows the gap cannot be attached.
-                self.host.allocator.free(after)
-                after = []
-            second = self.insert_pages(tb, result.at, [], host_pages + after, priority)
-        finally:
-            pin.release()
-        gap = len(moving) - len(host_pages) + len(result.unplaced_host) - len(after)
-        return Insertion(
-            nodes=second.nodes, duplicates=result.duplicates + second.duplicates,
-            dropped=result.dropped + second.dropped + gap,
-        )
 
     # -- load-back (host -> device) -------------------------------------------------------------
 
