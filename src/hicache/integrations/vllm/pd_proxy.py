@@ -29,7 +29,6 @@ cancels both upstream requests.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import itertools
 import json
@@ -201,7 +200,7 @@ class PDProxy:
         except (TimeoutError, ClientError, UpstreamError) as exc:
             if isinstance(exc, UpstreamError):
                 message = str(exc)
-            elif isinstance(exc, asyncio.TimeoutError):
+            elif isinstance(exc, TimeoutError):
                 message = f"decode server {server} was silent for {self.settings.read_timeout_s}s"
             else:
                 message = f"decode server {server} failed: {type(exc).__name__}: {exc}"
