@@ -3,7 +3,7 @@
 Usage (``python benchmarks/storage.py --backend nixl ...`` runs this)::
 
     python benchmarks/storage_nixl.py [--pages 256] [--layers 30] [--heads 3] [--head-dim 64] [--page-size 64]
-                                      [--repeat 3] [--fsync always|never] [--io auto,uring] [--write-threads 8] [--dir DIR]
+                                      [--repeat 3] [--fsync always|never] [--io auto,aio] [--write-threads 8] [--dir DIR]
 
 The same tier path as ``benchmarks/storage.py`` (``StorageTier.store`` / ``fetch`` of ``--pages``
 pages of random KV from and into a ``page_first`` host pool, headers and xxh3 checksums encoded and
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--fsync", default="always", choices=["always", "never"])
-    p.add_argument("--io", default="auto,uring", help="NIXL POSIX engines to run, comma-separated: auto,aio,uring,posix_aio")
+    p.add_argument("--io", default="auto,aio", help="NIXL POSIX engines to run, comma-separated: auto,aio,uring,posix_aio")
     p.add_argument("--write-threads", default="8", help="NIXL backends' write_threads to run, comma-separated")
     p.add_argument("--dir", type=Path, help="a fresh folder is made (and removed) under it (default: system temp)")
     args = p.parse_args(argv)
