@@ -153,6 +153,7 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # two engine processes: ~9 s on 2 busy cores
 async def test_a_decode_process_pulls_the_prefill_processes_kv_and_a_producer_gone_is_a_miss(nixl: None) -> None:
     """Two engine processes on loopback: the first (a prefill server) stores three prompts into its
     nixl-peer tier and stays up; the second (a decode server, its own process) finds all of them in
@@ -217,3 +218,32 @@ async def test_a_consumer_reads_its_own_arena_first_then_its_peers(nixl: None) -
             assert await both.exists([key(0), key(1), key(2), key(3)]) == 3
             assert await both.get([key(0), key(1), key(2)], out) == 3
             assert all(same(out[i], page(i)) for i in range(3))
+
+
+async def test_a_consumer_only_tier_is_read_only_to_the_cache(nixl: None) -> None:
+    """A decode server's tier (``peers`` only) is written nothing and promised nothing: pages that
+    leave its full host pool are not counted lost and no write fails, while the prefill server's
+    pages still come from it, bit for bit."""
+    from hicache import HiCache
+
+    from .conftest import make_config, make_kv, make_tokens
+    from .test_redis_tier import read_back
+
+    port = free_port()
+    producer = make_config(8, 32, tiers={"storage": [{"kind": "nixl-peer", "listen": f"127.0.0.1:{port}"}]})
+    consumer = make_config(8, 16, tiers={"storage": [{"kind": "nixl-peer", "peers": [f"127.0.0.1:{port}"]}]},
+                           policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": 4})
+    prompts = [(make_tokens(24, seed=i), make_kv(consumer, 24, seed=i)) for i in range(8)]
+    async with HiCache.from_config(producer) as prefill:
+        await prefill.store(*prompts[0])
+        await prefill.wait_idle()
+        async with HiCache.from_config(consumer) as decode:
+            for tokens, kv in prompts[1:]:  # 42 pages through a host pool of 16
+                await decode.store(tokens, kv)
+            await decode.wait_idle()
+            assert await read_back(decode, *prompts[0]) == (24, True)  # the prefill's pages, over UCX
+            stats = decode.stats()
+            s = stats.storage["nixl-peer"]
+            assert s.stored_pages == 0 and s.failures == 0 and s.backend.calls["set"] == 0
+            assert s.fetched_pages == 6
+            assert stats.tiers["host"].lost_pages == 0 and stats.tiers["device"].lost_pages == 0

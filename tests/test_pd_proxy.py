@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -171,11 +169,15 @@ async def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error_ev
     assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == 502
 
 
-def test_server_lists_and_the_command_line() -> None:
+def test_server_lists_and_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache.cli import main
+
     assert server_urls("http://a:1, http://b:2/") == ["http://a:1", "http://b:2"]
     for bad in ("", "a:1", "http://a:99999"):
         with pytest.raises(ValueError):
             server_urls(bad)
-    proc = subprocess.run([sys.executable, "-m", "hicache.cli", "pd-proxy", "--prefill", "http://a:1"],
-                          capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 2 and "--decode" in proc.stderr
+    for argv, complaint in ((["--prefill", "http://a:1"], "--decode"),
+                            (["--prefill", "ftp://a:1", "--decode", "http://b:2"], "ftp://a:1")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["pd-proxy", *argv])
+        assert exit_.value.code == 2 and complaint in capsys.readouterr().err

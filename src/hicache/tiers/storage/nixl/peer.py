@@ -22,9 +22,10 @@ One backend plays either role or both::
   Its own ``get`` copies from the arena (a ``kv_both`` server reads its own pages).
 * **Consumer** (``peers``): ``exists`` asks the peers in order (its own arena first, if it has one);
   ``get`` locates pages under a lease, reads them over UCX into the tier's buffers (the host pool's
-  pages, registered for the call) and releases the lease. ``set`` stores nothing on a consumer
-  without ``listen`` (0 pages), ``delete`` also asks the peers to drop the pages (the tier deletes
-  a page that failed verification), ``clear`` clears only its own arena.
+  pages, registered for the call) and releases the lease. A consumer without ``listen`` is not
+  ``writable``: the cache writes it nothing and its write policy promises it nothing (``set`` stores
+  0 pages if called). ``delete`` also asks the peers to drop the pages (the tier deletes a page that
+  failed verification), ``clear`` clears only its own arena.
 
 **Bounded, and a producer gone is a miss.** Connecting waits ``connect_timeout_s``, each request
 and each transfer ``timeout_s``. A peer that fails (refused, reset, silent, a transfer error) is
@@ -195,6 +196,11 @@ class NixlPeerBackend(StorageBackend):
                 agent.close()
         self._arena_registration = None
         self._arena = None
+
+    @property
+    def writable(self) -> bool:
+        """A consumer without ``listen`` stores nothing: the cache writes it nothing, promises it nothing."""
+        return self.settings.listen is not None
 
     def _usage(self) -> tuple[int | None, int | None, int | None]:
         arena = self._arena
