@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -84,6 +85,20 @@ def test_a_leased_page_keeps_its_bytes_until_the_lease_ends() -> None:
     assert arena.store([key(1), key(2)], [page(1), page(2)]) == 1
     arena.release(lease)
     assert arena.store([key(2)], [page(2)]) == 1 and arena.leases() == 0
+
+
+def test_a_page_is_never_scattered_over_more_than_max_spans_ranges() -> None:
+    """65 one-byte holes hold a 65-byte page only in 65 pieces: one more page is evicted first."""
+    from hicache.tiers.storage.base import PageIO
+    from hicache.tiers.storage.nixl.peer_arena import MAX_SPANS
+
+    assert MAX_SPANS == 64
+    arena = PageArena(129, lease_s=30)
+    assert arena.store([key(i) for i in range(129)], [PageIO.of(b"a") for _ in range(129)]) == 129
+    arena.delete([key(i) for i in range(0, 129, 2)])  # 65 holes of one byte
+    assert arena.store([key(500)], [PageIO.of(b"b" * 65)]) == 1
+    assert arena.evicted == 1 and arena.count([key(1)]) == 0  # the least recently used page went
+    assert len(arena.locate([key(500)], lease=False)[1][0].spans) <= MAX_SPANS
 
 
 def test_an_expired_lease_frees_its_pages() -> None:
@@ -247,3 +262,24 @@ async def test_a_consumer_only_tier_is_read_only_to_the_cache(nixl: None) -> Non
             assert s.stored_pages == 0 and s.failures == 0 and s.backend.calls["set"] == 0
             assert s.fetched_pages == 6
             assert stats.tiers["host"].lost_pages == 0 and stats.tiers["device"].lost_pages == 0
+
+
+async def test_a_page_placed_in_scattered_free_ranges_is_read_whole_over_ucx(nixl: None) -> None:
+    """Free space in holes between pages still holds a page larger than any hole: it is placed in
+    several ranges, and the consumer's one READ gathers them into its buffers in order."""
+    from hicache.tiers.storage.base import PageIO
+    from hicache.tiers.storage.nixl.peer import NixlPeerBackend
+
+    async with NixlPeerBackend(listen="127.0.0.1:0", capacity=4 * PAGE) as producer:
+        assert producer.address is not None and producer._arena is not None
+        await producer.set([key(i) for i in range(4)], [page(i) for i in range(4)])
+        await producer.delete([key(0), key(2)])  # two holes of one page each, apart
+        big = np.random.default_rng(3).integers(0, 256, 2 * PAGE, dtype=np.uint8)
+        assert await producer.set([key(9)], [PageIO.of(big[:128], big[128:])]) == 1
+        assert len(producer._arena.locate([key(9)], lease=False)[1][0].spans) == 2
+        host, port = producer.address
+        async with NixlPeerBackend(peers=[f"{host}:{port}"]) as consumer:
+            room = np.zeros(3 * PAGE, dtype=np.uint8)
+            sizes = [0]
+            assert await consumer.get([key(9)], [PageIO.of(room[:128], room[128:])], sizes=sizes) == 1
+            assert sizes == [2 * PAGE] and np.array_equal(room[: 2 * PAGE], big)

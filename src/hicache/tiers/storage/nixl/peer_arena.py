@@ -2,9 +2,9 @@
 
 ``PageArena`` owns ``capacity`` bytes (one numpy buffer, registered with UCX once, so its metadata
 never changes while peers read it) and places each page in free byte ranges of it: a page takes
-exactly its size, in one range where one is free, else in several (a transfer reads any number of
-ranges, so the arena never fragments into unusable space). It keeps the pages least recently used
-first and evicts from them to make room.
+exactly its size, in one range where one is free, else in several (up to ``MAX_SPANS``: a transfer
+reads any number of ranges, so free space scattered in small holes still holds pages). It keeps the
+pages least recently used first and evicts from them to make room.
 
 **Leases.** A reader that located pages (``locate(..., lease=True)``) holds them under a lease
 until it releases it or ``lease_s`` passes: a leased page is never evicted, and one overwritten or
@@ -32,9 +32,11 @@ import numpy as np
 from ..base import PageIO, fits
 from .agent import Region, address_of, pair, regions_of
 
-__all__ = ["Located", "PageArena"]
+__all__ = ["MAX_SPANS", "Located", "PageArena"]
 
 Span = tuple[int, int]  # (offset in the arena, length)
+#: Most ranges one page is placed in (a reader's descriptors, and what ``peer_wire`` accepts).
+MAX_SPANS = 64
 
 
 class _Extents:
@@ -151,15 +153,21 @@ class PageArena:
         return len(keys)
 
     def _room(self, n: int, keep: set[bytes]) -> list[Span] | None:
-        spans = self._free.take(n)
-        while spans is None:
+        """Free ranges for ``n`` bytes, in at most ``MAX_SPANS`` pieces, evicting the least recently
+        used unleased pages (not of this call) until they fit; ``None`` if they cannot."""
+        if n > self.capacity:
+            return None
+        while True:
+            spans = self._free.take(n)
+            if spans is not None and len(spans) <= MAX_SPANS:
+                return spans
+            if spans is not None:
+                self._free.give(spans)  # too scattered: make a larger hole first
             victim = next((k for k, p in self._pages.items() if k not in keep and p.readers == 0), None)
-            if victim is None or n > self.capacity:
+            if victim is None:
                 return None
             self._drop(victim)
             self.evicted += 1
-            spans = self._free.take(n)
-        return spans
 
     def _drop(self, key: bytes) -> None:
         page = self._pages.pop(key, None)

@@ -22,7 +22,7 @@ import struct
 from collections.abc import Sequence
 
 from ....keys import KEY_BYTES
-from .peer_arena import Located
+from .peer_arena import MAX_SPANS, Located
 
 __all__ = [
     "DELETE", "ERROR", "HELLO", "LOCATE", "MAGIC", "MAX_FRAME", "RELEASE", "WireError", "decode_hello",
@@ -33,7 +33,6 @@ MAGIC = b"HCNXPR01"
 HELLO, LOCATE, RELEASE, DELETE, ERROR, OK = b"H", b"L", b"R", b"D", b"X", b"K"
 MAX_FRAME = 8 * 1024**2
 MAX_KEYS = 4096
-MAX_SPANS = 1024  # ranges one page may take in the arena
 
 _FRAME = struct.Struct("<Ic")
 _HELLO = struct.Struct("<8sQQI")  # magic, arena address, arena bytes, metadata length
