@@ -19,7 +19,8 @@ repetition and interleaved:
   (or keyed MAC with ``--tenant-key``) verified: what a decode server pays.
 
 Every read is checked bit for bit against the KV the producer was given. GB = 1e9 B; the median
-and best of ``--repeat``, and the ratio to raw of the medians (target >= 0.8). Both processes run
+and best of ``--repeat``, the ratio to raw of the medians (target >= 0.8), and the consumer's CPU
+seconds per GB of each path (steadier than wall time on a shared machine). Both processes run
 on this machine: UCX goes through shared memory or CMA, as between two engines on one host.
 """
 
@@ -113,7 +114,7 @@ def locate_all(port: int, names: list[bytes]) -> tuple[bytes, int, int, list[wir
     return metadata, address, size, pages
 
 
-async def consume(args: argparse.Namespace, port: int) -> dict[str, list[float]]:
+async def consume(args: argparse.Namespace, port: int) -> tuple[dict[str, list[float]], dict[str, float]]:
     n, g = args.pages, geometry(args)
     page = HEADER_BYTES + g.page_bytes
     total = n * page
@@ -140,14 +141,16 @@ async def consume(args: argparse.Namespace, port: int) -> dict[str, list[float]]
     loose_p = np.zeros((n, g.page_bytes), np.uint8)
     loose = [PageIO(memoryview(loose_h[i]), (memoryview(loose_p[i]),)) for i in range(n)]
     times: dict[str, list[float]] = {"raw": [], "backend": [], "tier": []}
+    cpu: dict[str, list[float]] = {"raw": [], "backend": [], "tier": []}  # this process's CPU seconds
     consumer = NixlPeerBackend(peers=[f"127.0.0.1:{port}"], timeout_s=60)
     async with StorageTier("peer", consumer, c, host, batch_pages=args.batch) as tier:
         for _ in range(args.repeat):
             dst[:] = 0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for rows_l, rows_r in batches:
                 raw.run("READ", rows_l, rows_r, remote_name, deadline_s=60)
             times["raw"].append(time.perf_counter() - t0)
+            cpu["raw"].append(time.process_time() - c0)
             if expected is None:
                 expected = dst.copy()
                 pages = expected.reshape(n, page)[:, HEADER_BYTES:]
@@ -157,24 +160,27 @@ async def consume(args: argparse.Namespace, port: int) -> dict[str, list[float]]
 
             loose_h[:] = 0
             loose_p[:] = 0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for start in range(0, n, args.batch):
                 part = slice(start, min(n, start + args.batch))
                 assert await consumer.get(names[part], loose[part]) == len(names[part])
             times["backend"].append(time.perf_counter() - t0)
+            cpu["backend"].append(time.process_time() - c0)
             assert np.array_equal(np.concatenate([loose_h, loose_p], axis=1).reshape(-1), expected)
 
             host.buffer.zero_()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             assert await tier.fetch(page_keys(n), list(range(n))) == n
             times["tier"].append(time.perf_counter() - t0)
+            cpu["tier"].append(time.process_time() - c0)
             assert torch.equal(host.page_major().view(torch.int32), saved.view(torch.int32)), "fetched pages differ"
         s = consumer.stats()
         assert (s.errors, s.timeouts, s.corrupt_pages, tier.failures) == (0, 0, 0, 0), s
     raw.deregister(registration)
     raw.remove_remote(remote_name)
     raw.close()
-    return {k: [total / t / 1e9 for t in v] for k, v in times.items()}
+    gbps = {k: [total / t / 1e9 for t in v] for k, v in times.items()}
+    return gbps, {k: statistics.median(v) / (total / 1e9) for k, v in cpu.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -207,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         if not line:
             raise SystemExit("the producer process did not start")
         port = json.loads(line)["port"]
-        gbps = anyio.run(consume, args, port)
+        gbps, cpu_per_gb = anyio.run(consume, args, port)
     finally:
         producer.communicate(input="", timeout=60)
     g = geometry(args)
@@ -215,10 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     mac = "keyed BLAKE3 MACs" if args.tenant_key else "xxh3-64 checksums"
     print(f"\n{args.pages} pages x {g.page_bytes / 2**20:.2f} MiB ({total / 1e9:.2f} GB), {args.batch} pages a request, "
           f"producer and consumer processes on loopback, tier: {mac}, {args.repeat} repetitions")
-    print(f"{'path':<9}{'median GB/s':>12}{'best GB/s':>11}{'x raw (median)':>16}")
+    print(f"{'path':<9}{'median GB/s':>12}{'best GB/s':>11}{'x raw (median)':>16}{'CPU s/GB (median)':>19}")
     raw_median = statistics.median(gbps["raw"])
     for path, values in gbps.items():
-        print(f"{path:<9}{statistics.median(values):>12.2f}{max(values):>11.2f}{statistics.median(values) / raw_median:>16.2f}")
+        median = statistics.median(values)
+        print(f"{path:<9}{median:>12.2f}{max(values):>11.2f}{median / raw_median:>16.2f}{cpu_per_gb[path]:>19.2f}")
+    print("(CPU: this process's, every thread; the producer's UCX progress thread is not counted)")
     print(f"\ncpu pressure at end: {cpu_pressure()}")
     return 0
 
