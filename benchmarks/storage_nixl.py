@@ -13,7 +13,7 @@ with ``os.write`` and one fsync, read back cold with ``os.readv``). Every repeti
 each tier's write, raw cold read, each tier's cold read, so machine noise hits all of them; "cold"
 drops each file's page cache first (``fsync`` + ``POSIX_FADV_DONTNEED``). Every fetched page is
 checked bit for bit, and no backend may count an error or a corrupt page. GB = 1e9 B; the table
-gives the median and best GB/s and the ratio to raw of the medians.
+gives the median and best GB/s, the ratio to raw of the medians, and the process's CPU seconds per GB.
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ from hicache.tiers.storage.nixl.posix import NixlFileBackend  # noqa: E402
 from hicache.tiers.storage.page_format import HEADER_BYTES, PageCodec  # noqa: E402
 from hicache.tiers.storage.tier import StorageTier  # noqa: E402
 
+Times = dict[str, dict[str, list[float]]]
 
-async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[str, list[float]]], int]:
+
+async def measure(args: argparse.Namespace, root: Path) -> tuple[Times, Times, int]:
     g = KVGeometry(2, args.layers, args.page_size, args.heads, args.head_dim, torch.float32)
     n = args.pages
     host = HostPool(g, n * g.page_bytes, layout="page_first", pin_memory=False)
@@ -73,7 +75,8 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
             )
     codec = PageCodec(namespace=b"\x01" * 16, geometry=g)
     batch = max(1, (64 * 2**20) // g.page_bytes)
-    times: dict[str, dict[str, list[float]]] = {op: {"raw": [], **{k: [] for k in backends}} for op in ("write", "read")}
+    times: Times = {op: {"raw": [], **{k: [] for k in backends}} for op in ("write", "read")}
+    cpu: Times = {op: {"raw": [], **{k: [] for k in backends}} for op in ("write", "read")}  # process CPU seconds
     pages = list(range(n))
     tiers = {name: StorageTier(name, b, codec, host, batch_pages=batch) for name, b in backends.items()}
     for tier in tiers.values():
@@ -85,12 +88,17 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
                 await b.clear()
             fsync(root)
             keys = [os.urandom(16) for _ in range(n)]
+            c0 = time.process_time()
             times["write"]["raw"].append(raw_write(raw_file, raw_header, saved_bytes, args.fsync == "always"))
+            cpu["write"]["raw"].append(time.process_time() - c0)
             for name, tier in tiers.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 assert await tier.store(keys, pages) == n, name
                 times["write"][name].append(time.perf_counter() - t0)
+                cpu["write"][name].append(time.process_time() - c0)
+            c0 = time.process_time()
             times["read"]["raw"].append(raw_read(raw_file, raw_header, host_bytes))
+            cpu["read"]["raw"].append(time.process_time() - c0)
             assert np.array_equal(host_bytes, saved_bytes)
             for name, tier in tiers.items():
                 host.buffer.zero_()
@@ -98,9 +106,10 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
                 assert isinstance(backend, FileBackend)
                 for stored in codec.storage_keys(keys):
                     fsync(backend.path_of(stored), drop_cache=True)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 assert await tier.fetch(keys, pages) == n, name
                 times["read"][name].append(time.perf_counter() - t0)
+                cpu["read"][name].append(time.process_time() - c0)
                 assert torch.equal(host.page_major().view(torch.int32), saved.view(torch.int32)), f"{name}: pages differ"
     finally:
         for tier in tiers.values():
@@ -108,7 +117,7 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
     for name, b in backends.items():
         s = b.stats()
         assert (s.errors, s.timeouts, s.corrupt_pages, tiers[name].failures) == (0, 0, 0, 0), (name, s)
-    return times, n * (HEADER_BYTES + g.page_bytes)
+    return times, cpu, n * (HEADER_BYTES + g.page_bytes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,19 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="hicache-nixl-", dir=args.dir))
     started = time.perf_counter()
     try:
-        times, op_bytes = anyio.run(measure, args, root)
+        times, cpu, op_bytes = anyio.run(measure, args, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     page_mib = (op_bytes / args.pages - HEADER_BYTES) / 2**20
     print(f"\n{args.pages} pages x {page_mib:.2f} MiB ({op_bytes / 1e9:.2f} GB), fsync {args.fsync}, "
           f"{args.repeat} repetitions, under {root.parent}")
-    print(f"{'op':<6}{'path':<22}{'median GB/s':>12}{'best GB/s':>11}{'x raw (median)':>16}")
+    print(f"{'op':<6}{'path':<22}{'median GB/s':>12}{'best GB/s':>11}{'x raw (median)':>16}{'CPU s/GB':>10}")
     for op, by_path in times.items():
         raw_median = statistics.median(op_bytes / s / 1e9 for s in by_path["raw"])
         for path, secs in by_path.items():
             gbps = [op_bytes / s / 1e9 for s in secs]
             median = statistics.median(gbps)
-            print(f"{op:<6}{path:<22}{median:>12.2f}{max(gbps):>11.2f}{median / raw_median:>16.2f}")
+            cpu_gb = statistics.median(cpu[op][path]) / (op_bytes / 1e9)
+            print(f"{op:<6}{path:<22}{median:>12.2f}{max(gbps):>11.2f}{median / raw_median:>16.2f}{cpu_gb:>10.2f}")
+    print("(CPU: this process's user and system time, every thread, median)")
     print(f"\ncpu pressure at end: {cpu_pressure()}")
     print(f"elapsed {time.perf_counter() - started:.1f} s")
     return 0
