@@ -20,11 +20,11 @@ page (counted, removed where that is safe), as in the file tier. Every wait is b
 ``timeout_s`` inside the worker thread (``agent.NixlAgent.run``), which is never abandoned while a
 read may still land in the caller's memory.
 
-What it gives over ``kind: file``, measured (``benchmarks/storage_nixl.py``, README "NIXL"):
-the same files and guarantees; its throughput is the plugin's kernel queue against the file tier's
-``preadv``/``writev`` in worker threads. Pick it where NIXL is already the deployment's transfer
-library, or to try a storage engine behind NIXL's POSIX interface; GDS (GPU Direct Storage) uses the
-same descriptors and needs CUDA.
+What it gives over ``kind: file``, measured (``benchmarks/storage_nixl.py``, README "NIXL"): the
+same files and guarantees; cold reads through io_uring faster (1.68x of the raw sequential read
+against the file tier's 1.33x in a quiet run, and less CPU per GB), writes with fsync the same,
+writes without fsync slower (0.58x of raw against 0.85x: one request at a time through the agent).
+GDS (GPU Direct Storage) uses the same descriptors and needs CUDA.
 """
 
 from __future__ import annotations
