@@ -283,3 +283,20 @@ async def test_a_page_placed_in_scattered_free_ranges_is_read_whole_over_ucx(nix
             sizes = [0]
             assert await consumer.get([key(9)], [PageIO.of(room[:128], room[128:])], sizes=sizes) == 1
             assert sizes == [2 * PAGE] and np.array_equal(room[: 2 * PAGE], big)
+
+
+async def test_open_peers_do_not_spin_a_core(nixl: None) -> None:
+    """NIXL's progress thread spins unless it is given a delay: an open producer and consumer cost
+    (nearly) no CPU while idle."""
+    import anyio
+
+    from hicache.tiers.storage.nixl.peer import NixlPeerBackend
+
+    async with NixlPeerBackend(listen="127.0.0.1:0") as producer:
+        assert producer.address is not None
+        host, port = producer.address
+        async with NixlPeerBackend(peers=[f"{host}:{port}"]) as consumer:
+            assert await consumer.exists([key(0)]) == 0  # connected: both agents are live
+            start = time.process_time()
+            await anyio.sleep(1.0)
+            assert time.process_time() - start < 0.25
