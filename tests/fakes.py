@@ -185,3 +185,49 @@ class SlowIOBackend(KernelIOBackend):
     def copy(self, src: torch.Tensor, dst: torch.Tensor, plan: Any, *, layer: int | None = None) -> None:
         time.sleep(self.delay_s)
         super().copy(src, dst, plan, layer=layer)
+
+
+class FakeProducer:
+    """A fault-injecting stand-in for a ``nixl-peer`` producer's metadata server, on loopback.
+
+    ``mode="silent"`` accepts connections and never answers; ``mode="garbage"`` answers every frame
+    with bytes that are no valid answer. ``stop()`` closes everything.
+    """
+
+    def __init__(self, mode: str) -> None:
+        import socket
+
+        self.mode = mode
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._socks: list[Any] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self._socks.append(sock)
+            if self.mode == "garbage":
+                try:
+                    sock.recv(65536)
+                    sock.sendall(b"\xff\xff\xff\x7fHgarbage")  # a frame length over the limit
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        import socket
+
+        self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for sock in self._socks:
+            sock.close()
+        self._thread.join(5)

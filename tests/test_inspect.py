@@ -24,7 +24,7 @@ from hicache.tiers.storage.registry import resolve_backend
 
 from .test_attach_detach import GEOMETRY, PAGE, PROMPT_PAGES, config, kv_of, tokens_of
 
-KINDS = ["file", "redis", "redis-cluster", "mooncake", "s3"]
+KINDS = ["file", "redis", "redis-cluster", "mooncake", "s3", "nixl"]
 OURS, FOREIGN = 5, 2  # prompts written by this config and by another model
 
 
@@ -34,6 +34,14 @@ def entry(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     kind = request.param
     if kind == "file":
         return {"kind": "file", "name": "store", "path": str(tmp_path / "pages"), "fsync": "never"}
+    if kind == "nixl":
+        from hicache.tiers.storage.nixl.agent import nixl_available
+
+        from .servers import unavailable
+
+        if (why := nixl_available()) is not None:
+            unavailable(why)
+        return {"kind": "nixl", "name": "store", "path": str(tmp_path / "pages"), "fsync": "never"}
     if kind == "redis":
         server = request.getfixturevalue("valkey")
         return {"kind": "redis", "name": "store", "url": f"redis://127.0.0.1:{server.port}/0", "key_prefix": prefix}

@@ -21,8 +21,13 @@ from hicache.tiers.storage import HEADER_BYTES, PageIO, StorageBackend
 from hicache.tiers.storage.file import FileBackend
 from hicache.tiers.storage.memory import MemoryBackend
 from hicache.tiers.storage.mooncake import MooncakeBackend
+from hicache.tiers.storage.nixl.agent import nixl_available
+from hicache.tiers.storage.nixl.posix import NixlFileBackend
 from hicache.tiers.storage.redis import RedisBackend
 from hicache.tiers.storage.s3 import S3Backend
+
+from .nixl_peers import PeerPair
+from .servers import unavailable
 
 PAYLOAD = 4096
 PAGE = HEADER_BYTES + PAYLOAD
@@ -30,12 +35,20 @@ PAGE = HEADER_BYTES + PAYLOAD
 BackendFactory = Callable[..., StorageBackend]
 
 
-@pytest.fixture(params=["memory", "file", "redis", "mooncake", "s3", "redis-cluster"])
+@pytest.fixture(params=["memory", "file", "redis", "mooncake", "s3", "redis-cluster", "nixl", "nixl-peer"])
 def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
-    """``factory(**settings)`` builds a fresh backend of this kind (file: in a per-test folder;
-    redis, s3: under a per-test key prefix on the session's server or cluster)."""
+    """``factory(**settings)`` builds a fresh backend of this kind (file, nixl: in a per-test folder;
+    redis, s3: under a per-test key prefix on the session's server or cluster; nixl-peer: a producer
+    and a consumer agent in this process, reads going through UCX)."""
     if request.param == "memory":
         return lambda **kw: MemoryBackend(**kw)
+    if request.param in ("nixl", "nixl-peer"):
+        why = nixl_available()
+        if why is not None:
+            unavailable(why)
+        if request.param == "nixl":
+            return lambda **kw: NixlFileBackend(path=str(tmp_path / "pages"), **kw)
+        return lambda **kw: PeerPair(**kw)
     if request.param == "redis":
         server = request.getfixturevalue("valkey")
         prefix = f"t{uuid.uuid4().hex[:12]}"

@@ -1,5 +1,5 @@
-"""The ``hicache`` command: ``bench``, ``soak``, ``demo``, ``config [PATH]``, ``inspect`` (a storage tier) and
-``admin`` (a running process, through its admin endpoint)."""
+"""The ``hicache`` command: ``bench``, ``soak``, ``demo``, ``config [PATH]``, ``inspect`` (a storage tier),
+``admin`` (a running process, through its admin endpoint) and ``pd-proxy`` (vLLM prefill/decode)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("soak", help="random multi-client traffic checking every promise: `hicache soak --help`")
     sub.add_parser("inspect", help="look into a storage tier: `hicache inspect summary|verify|purge CONFIG`")
     sub.add_parser("admin", help="attach or detach storage tiers of a running process: `hicache admin --help`")
+    sub.add_parser("pd-proxy", help="OpenAI proxy for vLLM prefill/decode servers: `hicache pd-proxy --help`")
     show = sub.add_parser("config", help="validate a config file and print it with every default filled in")
     show.add_argument("path", nargs="?", default=None)
     argv = sys.argv[1:] if argv is None else argv
@@ -36,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
         from .metrics.admin_cli import main as admin_main
 
         return admin_main(argv[1:])
+    if argv[:1] == ["pd-proxy"]:
+        try:
+            from .integrations.vllm.pd_proxy import main as pd_proxy_main
+        except ImportError as exc:
+            print(f"error: hicache pd-proxy needs aiohttp ({exc}): pip install 'hicache[pd]'", file=sys.stderr)
+            return 2
+        return pd_proxy_main(argv[1:])
     if argv[:1] == ["demo"]:
         from .demo import main as demo_main
 

@@ -59,8 +59,11 @@ class Residency:
 
     @property
     def has_storage(self) -> bool:
-        """Is there a storage tier below the host right now?"""
-        return bool(self._storage) if self._storage is not None else self._fixed_storage
+        """Is there a storage tier below the host right now that takes writes? (A read-only tier,
+        ``backend.writable`` false, is promised nothing.)"""
+        if self._storage is None:
+            return self._fixed_storage
+        return any(getattr(getattr(t, "backend", None), "writable", True) for t in self._storage)
 
     @property
     def owes_storage(self) -> bool:

@@ -4,7 +4,8 @@ A job marks its node ``storing`` while the write is in flight, so host eviction 
 reads; the device copy may still be evicted meanwhile. A write that fails marks the node
 ``store_failed``: it is not tried again, and its pages may then leave the host, counted as lost. Each tier is written from host memory (tiers
 are written side by side, a lower tier is not fed from the one above it), after asking it which
-pages it already has: keys are chained, so ``exists`` says how many leading pages to skip.
+pages it already has: keys are chained, so ``exists`` says how many leading pages to skip. A tier
+whose backend is not ``writable`` (it only reads) is skipped, and promised nothing.
 
 Tiers may be attached or detached while a write runs: a write goes to the tiers attached when it
 starts (a snapshot). A tier detached meanwhile is skipped, and its failures do not count: a page
@@ -38,8 +39,8 @@ class StorageWriter:
 
     def wanted(self, node: TreeNode) -> bool:
         return (
-            bool(self.tiers) and node.host is not None and not node.stored and not node.storing
-            and not node.store_failed
+            any(t.backend.writable for t in self.tiers) and node.host is not None and not node.stored
+            and not node.storing and not node.store_failed
         )
 
     def prepare(self, node: TreeNode) -> StorageJob:
@@ -69,8 +70,8 @@ class StorageWriter:
         self._running[me] = tiers
         try:
             for tier in tiers:
-                if tier.detached:
-                    continue
+                if tier.detached or not tier.backend.writable:
+                    continue  # a read-only tier (a nixl-peer consumer) is written nothing
                 keys: list[bytes] = []
                 pages: list[int] = []
                 owner: list[int] = []

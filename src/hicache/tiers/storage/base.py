@@ -204,6 +204,13 @@ class StorageBackend(ABC):
         self.evicted_pages = 0
         self.corrupt_pages = 0
 
+    @property
+    def writable(self) -> bool:
+        """Whether ``set`` stores pages. ``False`` for a backend that only reads (a ``nixl-peer``
+        consumer without ``listen``): the cache then writes nothing to its tier and the write
+        policy promises it nothing, so pages leaving memory are not counted lost for it."""
+        return True
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def __aenter__(self) -> StorageBackend:

@@ -51,7 +51,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -134,6 +134,8 @@ class FileBackend(StorageBackend):
             return path
 
     settings: Settings
+    #: Writes a batch of opened page files in one go (``page_files.write_pages``); ``kind: nixl`` sets it.
+    _write_batch: Callable[[list[tuple[int, PageIO]]], None] | None = None
 
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
@@ -368,7 +370,7 @@ class FileBackend(StorageBackend):
             drop = [self._place(v) for v in victims] if w == 0 else []
             results = await anyio.to_thread.run_sync(
                 write_pages, self.root, self._refused, [self._place(keys[i]) for i in share],
-                [pages[i] for i in share], fsync, drop,
+                [pages[i] for i in share], fsync, drop, self._write_batch,
                 limiter=self._write_limiter,
             )
             for i, good in zip(share, results, strict=True):

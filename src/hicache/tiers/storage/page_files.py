@@ -14,12 +14,14 @@ import logging
 import os
 import secrets
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .base import PageIO, fits
 
-__all__ = ["CORRUPT", "SUFFIX", "Folder", "Refused", "delete_pages", "read_pages", "unlink_at", "write_pages"]
+__all__ = [
+    "CORRUPT", "SUFFIX", "Folder", "Refused", "delete_pages", "open_page", "read_pages", "unlink_at", "write_pages",
+]
 
 log = logging.getLogger("hicache.tiers.storage.file")
 
@@ -149,7 +151,7 @@ def _writev(fd: int, buffers: list[memoryview]) -> None:
             raise OSError("short write")
 
 
-def _open_page(folder: Folder, shard: str, name: str, tidy: bool = True) -> int | str:
+def open_page(folder: Folder, shard: str, name: str, tidy: bool = True) -> int | str:
     """A descriptor of the regular file ``shard/name``, or why there is none (see ``_CORRUPT``).
 
     ``O_NONBLOCK``: opening a FIFO would otherwise wait for a writer, in a thread no timeout reaches.
@@ -199,7 +201,7 @@ def read_pages(
             try:
 
                 def announce(j: int) -> None:
-                    got = fds[j] = _open_page(folder, *places[j], tidy=touch)
+                    got = fds[j] = open_page(folder, *places[j], tidy=touch)
                     if read_ahead and isinstance(got, int):
                         os.posix_fadvise(got, 0, 0, os.POSIX_FADV_WILLNEED)  # start the disk read now
 
@@ -241,30 +243,48 @@ def read_pages(
 
 def write_pages(
     root: Path, refused: set[str], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
-    drop: list[tuple[str, str]],
+    drop: list[tuple[str, str]], write_batch: Callable[[list[tuple[int, PageIO]]], None] | None = None,
 ) -> list[bool]:
     """Write each page atomically (an unnamed file linked into place, or a temporary file renamed;
-    fsynced before, with its folder after, under ``fsync``) in its shard; delete ``drop`` first."""
-    results: list[bool] = []
+    fsynced before, with its folder after, under ``fsync``) in its shard; delete ``drop`` first.
+
+    ``write_batch`` (``kind: nixl``): writes every ``(descriptor, page)`` of the call in one go, or
+    raises (then none of them is named); by default each page is written with ``writev`` as it is
+    opened. Either way a page gets its name only once all of it is in its file.
+    """
+    results = [False] * len(places)
     with Folder(root, refused, create=True) as folder:
         _unlink_places(folder, drop)
         shards: set[int] = set()
-        for (shard, name), io in zip(places, pages, strict=True):
-            try:
-                sfd = folder.shard(shard, create=True)
-            except Refused:
-                results.append(False)
-                continue
-            assert sfd is not None  # created
-            try:
-                if not (_anonymous[0] and _write_anonymous(sfd, name, io, fsync)):
-                    _write_renamed(sfd, name, io, fsync)
-            except OSError as exc:
-                log.warning("file backend: cannot write %s/%s: %s", shard, name, exc)
-                results.append(False)
-                continue
-            shards.add(sfd)
-            results.append(True)
+        opened: list[tuple[int, int, int, str | None]] = []  # (page, shard fd, file fd, temporary name)
+        try:
+            for i, (shard, name) in enumerate(places):
+                try:
+                    sfd = folder.shard(shard, create=True)
+                except Refused:
+                    continue
+                assert sfd is not None  # created
+                try:
+                    fd, tmp = _open_target(sfd, name)
+                except OSError as exc:
+                    log.warning("file backend: cannot write %s/%s: %s", shard, name, exc)
+                    continue
+                opened.append((i, sfd, fd, tmp))
+                if write_batch is None:
+                    _settle(opened.pop(), places, pages, fsync, results, shards, write=True)
+            if write_batch is not None and opened:
+                try:
+                    write_batch([(fd, pages[i]) for i, _sfd, fd, _tmp in opened])
+                except OSError as exc:
+                    log.warning("file backend: a batch of %d pages could not be written: %s", len(opened), exc)
+                else:
+                    while opened:
+                        _settle(opened.pop(), places, pages, fsync, results, shards, write=False)
+        finally:
+            for _i, sfd, fd, tmp in opened:  # not named: nothing of them stays
+                os.close(fd)
+                if tmp is not None:
+                    unlink_at(sfd, tmp)
         if fsync:
             for sfd in shards:  # make the renames durable
                 os.fsync(sfd)
@@ -280,41 +300,75 @@ def _tmp_name(name: str) -> str:
     return f".{name.removesuffix(SUFFIX)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
-def _write_anonymous(sfd: int, name: str, io: PageIO, fsync: bool) -> bool:
-    """Write the page into a file without a name (``O_TMPFILE``), then give it its name in one
-    ``linkat``: the name appears only for the whole page, as with a rename, and a new page costs one
-    directory entry instead of a temporary one created and renamed. A name already taken (the page
-    rewritten, or something planted there) goes through a temporary name and a rename, which
-    replaces the entry itself. ``False``: the file system cannot (nothing was written)."""
-    try:
-        fd = os.open(".", os.O_WRONLY | os.O_TMPFILE | _CLOEXEC, 0o644, dir_fd=sfd)
-    except OSError as exc:
-        if exc.errno in _NO_TMPFILE:
-            _anonymous[0] = False
-            return False
-        raise
-    try:
-        _writev(fd, io.buffers())
-        if fsync:
-            os.fsync(fd)
-        source = f"/proc/self/fd/{fd}"
+def _open_target(sfd: int, name: str) -> tuple[int, str | None]:
+    """A new file to write page ``name`` into: without a name (``O_TMPFILE``, ``None``) where the
+    file system takes it, else under a temporary name in the shard."""
+    if _anonymous[0]:
         try:
-            os.link(source, name, dst_dir_fd=sfd, follow_symlinks=True)
-        except FileExistsError:
-            tmp = _tmp_name(name)
-            os.link(source, tmp, dst_dir_fd=sfd, follow_symlinks=True)
-            try:
-                os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
-            except OSError:
-                unlink_at(sfd, tmp)
-                raise
+            return os.open(".", os.O_WRONLY | os.O_TMPFILE | _CLOEXEC, 0o644, dir_fd=sfd), None
         except OSError as exc:
             if exc.errno not in _NO_TMPFILE:
                 raise
-            _anonymous[0] = False  # no /proc to link from: the rename path from now on
-            return False
-    finally:
-        os.close(fd)
+            _anonymous[0] = False
+    tmp = _tmp_name(name)
+    return os.open(tmp, _PAGE_WRITE, 0o644, dir_fd=sfd), tmp
+
+
+def _settle(
+    target: tuple[int, int, int, str | None], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
+    results: list[bool], shards: set[int], *, write: bool,
+) -> None:
+    """Write (with ``write``), fsync (under ``fsync``) and name one opened page; its descriptor is closed."""
+    i, sfd, fd, tmp = target
+    shard, name = places[i]
+    try:
+        try:
+            if write:
+                _writev(fd, pages[i].buffers())
+            if fsync:
+                os.fsync(fd)
+            named = _give_name(sfd, fd, tmp, name)
+        finally:
+            os.close(fd)
+        if not named:  # no /proc to link an unnamed file from: the rename path from now on
+            _write_renamed(sfd, name, pages[i], fsync)
+    except OSError as exc:
+        if tmp is not None:
+            unlink_at(sfd, tmp)
+        log.warning("file backend: cannot write %s/%s: %s", shard, name, exc)
+        return
+    shards.add(sfd)
+    results[i] = True
+
+
+def _give_name(sfd: int, fd: int, tmp: str | None, name: str) -> bool:
+    """Give the written file its page's name in one step; ``False``: the file system cannot link an
+    unnamed file (nothing was named).
+
+    An unnamed file gets it in one ``linkat``: the name appears only for the whole page, as with a
+    rename, and a new page costs one directory entry instead of a temporary one created and renamed.
+    A name already taken (the page rewritten, or something planted there) goes through a temporary
+    name and a rename, which replaces the entry itself (a forged page, a FIFO or a link).
+    """
+    if tmp is not None:
+        os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
+        return True
+    source = f"/proc/self/fd/{fd}"
+    try:
+        os.link(source, name, dst_dir_fd=sfd, follow_symlinks=True)
+    except FileExistsError:
+        tmp = _tmp_name(name)
+        os.link(source, tmp, dst_dir_fd=sfd, follow_symlinks=True)
+        try:
+            os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
+        except OSError:
+            unlink_at(sfd, tmp)
+            raise
+    except OSError as exc:
+        if exc.errno not in _NO_TMPFILE:
+            raise
+        _anonymous[0] = False
+        return False
     return True
 
 

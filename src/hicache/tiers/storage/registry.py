@@ -2,7 +2,7 @@
 
 Resolution order for ``kind``:
 
-1. a built-in name (``memory``, ``file``);
+1. a built-in name (``memory``, ``file``, ``redis``, ``mooncake``, ``s3``, ``nixl``, ``nixl-peer``);
 2. an entry point named ``kind`` in the group ``hicache.storage`` of any installed distribution,
    e.g. in the plugin's ``pyproject.toml``::
 
@@ -35,6 +35,8 @@ BUILTIN_BACKENDS = {
     "redis": "hicache.tiers.storage.redis:RedisBackend",  # needs the `redis` extra
     "mooncake": "hicache.tiers.storage.mooncake:MooncakeBackend",  # needs the `mooncake` extra
     "s3": "hicache.tiers.storage.s3:S3Backend",  # needs the `s3` extra
+    "nixl": "hicache.tiers.storage.nixl.posix:NixlFileBackend",  # needs the `nixl` extra
+    "nixl-peer": "hicache.tiers.storage.nixl.peer:NixlPeerBackend",  # needs the `nixl` extra
 }
 
 

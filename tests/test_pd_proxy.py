@@ -1,0 +1,183 @@
+"""``hicache pd-proxy`` against stand-in OpenAI servers (``FakeOpenAIServer``, which record what they got).
+
+The real two-vLLM-server run belongs to the PD connector's tests; here: the two-step dispatch
+(prefill with ``max_tokens=1``, ``stream=false`` and ``do_remote_decode``; decode with the prefill's
+``kv_transfer_params``), streaming passed through chunk by chunk, round robin, and failures that
+reach the client as clear errors within their bounds, never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from aiohttp import ClientSession, ClientTimeout, web  # noqa: E402
+
+from hicache.integrations.vllm.pd_proxy import ProxySettings, build_app, server_urls  # noqa: E402
+
+from .fake_openai import FakeOpenAIServer  # noqa: E402
+
+COMPLETION = {"model": "m", "prompt": "hello", "max_tokens": 16, "temperature": 0}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 16, "stream": True,
+        "stream_options": {"include_usage": True}}
+
+
+@asynccontextmanager
+async def proxy_over(prefill: list[FakeOpenAIServer], decode: list[FakeOpenAIServer], **timeouts: float
+                     ) -> AsyncIterator[tuple[str, ClientSession]]:
+    for fake in (*prefill, *decode):
+        await fake.start()
+    app, _ = build_app(ProxySettings([f.url for f in prefill], [f.url for f in decode], **timeouts))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=30)) as client:
+            yield url, client
+    finally:
+        await runner.cleanup()
+        for fake in (*prefill, *decode):
+            await fake.stop()
+
+
+async def test_a_completion_is_prefilled_then_decoded_with_the_prefills_kv_transfer_params() -> None:
+    prefill, decode = FakeOpenAIServer("prefill", "p0"), FakeOpenAIServer("decode", "d0")
+    async with proxy_over([prefill], [decode]) as (url, client):
+        async with client.post(url + "/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer t"}) as r:
+            assert r.status == 200
+            answer = await r.json()
+    (sent_prefill,), (sent_decode,) = prefill.received, decode.received
+    assert sent_prefill["max_tokens"] == 1 and sent_prefill["stream"] is False
+    assert sent_prefill["kv_transfer_params"]["do_remote_decode"] is True
+    assert sent_prefill["kv_transfer_params"]["do_remote_prefill"] is False
+    assert sent_prefill["prompt"] == "hello"
+    # The decode request is the client's own, with the prefill's answer's kv_transfer_params copied in.
+    assert sent_decode["max_tokens"] == 16 and "stream" not in sent_decode
+    assert sent_decode["kv_transfer_params"] == {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0", "remote_block_ids": [1, 2],
+        "remote_host": "127.0.0.1", "remote_port": 7001,
+    }
+    assert answer["server"] == "d0" and answer["echo_kv"] == sent_decode["kv_transfer_params"]
+    # Both steps carry the client's credentials and one request id.
+    assert prefill.headers[0]["Authorization"] == decode.headers[0]["Authorization"] == "Bearer t"
+    assert prefill.headers[0]["X-Request-Id"] == decode.headers[0]["X-Request-Id"] != ""
+
+
+async def test_a_chat_stream_is_passed_through_chunk_by_chunk() -> None:
+    """The first chunk reaches the client while the decode server still holds back the rest."""
+    gate = asyncio.Event()
+    prefill, decode = FakeOpenAIServer("prefill"), FakeOpenAIServer("decode", gate=gate)
+    async with proxy_over([prefill], [decode]) as (url, client):
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+            assert json.loads(first.removeprefix(b"data: "))["choices"][0]["text"] == "t0"
+            gate.set()  # only now does the decode server send the rest
+            rest = (await asyncio.wait_for(r.content.read(), 10)).split(b"\n\n")
+    assert [json.loads(e.removeprefix(b"data: "))["choices"][0]["text"] for e in rest[:2]] == ["t1", "t2"]
+    assert rest[2] == b"data: [DONE]"
+    (sent_prefill,), (sent_decode,) = prefill.received, decode.received
+    assert sent_prefill["stream"] is False and "stream_options" not in sent_prefill
+    assert sent_prefill["max_tokens"] == sent_prefill["max_completion_tokens"] == 1
+    assert sent_decode["stream"] is True and sent_decode["stream_options"] == {"include_usage": True}
+    assert sent_decode["max_completion_tokens"] == 16 and sent_decode["kv_transfer_params"]["remote_block_ids"] == [1, 2]
+
+
+async def test_requests_go_round_robin_over_each_kind_of_server() -> None:
+    prefill = [FakeOpenAIServer("prefill", f"p{i}") for i in range(2)]
+    decode = [FakeOpenAIServer("decode", f"d{i}") for i in range(3)]
+    async with proxy_over(prefill, decode) as (url, client):
+        served = []
+        for _ in range(6):
+            async with client.post(url + "/v1/completions", json=COMPLETION) as r:
+                answer = await r.json()
+                served.append((answer["echo_kv"]["remote_engine_id"], answer["server"]))
+    assert served == [("p0", "d0"), ("p1", "d1"), ("p0", "d2"), ("p1", "d0"), ("p0", "d1"), ("p1", "d2")]
+    assert [len(f.received) for f in prefill] == [3, 3] and [len(f.received) for f in decode] == [2, 2, 2]
+
+
+async def test_a_failing_prefill_server_is_a_502_and_nothing_is_decoded() -> None:
+    failing, decode = FakeOpenAIServer("prefill", "bad", status=500), FakeOpenAIServer("decode")
+    async with proxy_over([failing], [decode]) as (url, client):
+        async with client.post(url + "/v1/completions", json=COMPLETION) as r:
+            assert r.status == 502
+            error = (await r.json())["error"]
+    assert failing.url in error["message"] and "500" in error["message"] and error["code"] == 502
+    assert decode.received == []
+
+
+async def test_the_prefills_own_4xx_reaches_the_client_as_it_came() -> None:
+    refusing, decode = FakeOpenAIServer("prefill", status=400), FakeOpenAIServer("decode")
+    async with proxy_over([refusing], [decode]) as (url, client):
+        async with client.post(url + "/v1/completions", json=COMPLETION) as r:
+            assert r.status == 400
+    assert decode.received == []
+
+
+async def test_a_stalled_prefill_server_is_a_502_within_its_bound() -> None:
+    stalled, decode = FakeOpenAIServer("prefill", stall=True), FakeOpenAIServer("decode")
+    async with proxy_over([stalled], [decode], prefill_timeout_s=0.5) as (url, client):
+        started = time.monotonic()
+        async with client.post(url + "/v1/completions", json=COMPLETION) as r:
+            assert r.status == 502 and "within 0.5s" in (await r.json())["error"]["message"]
+        assert time.monotonic() - started < 5
+    assert decode.received == []
+
+
+async def test_unreachable_servers_are_502s() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    prefill, decode = FakeOpenAIServer("prefill"), FakeOpenAIServer("decode")
+    await prefill.start()
+    await decode.start()
+    try:
+        for servers in (([dead], [decode.url]), ([prefill.url], [dead])):
+            app, _ = build_app(ProxySettings(*servers, connect_timeout_s=2))
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            try:
+                async with ClientSession() as client:
+                    async with client.post(f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions",
+                                           json=COMPLETION) as r:
+                        assert r.status == 502 and dead in (await r.json())["error"]["message"]
+            finally:
+                await runner.cleanup()
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
+async def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    prefill, decode = FakeOpenAIServer("prefill"), FakeOpenAIServer("decode", die_mid_stream=True)
+    async with proxy_over([prefill], [decode]) as (url, client):
+        async with client.post(url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+            events = (await asyncio.wait_for(r.content.read(), 10)).split(b"\n\n")
+    assert json.loads(events[0].removeprefix(b"data: "))["choices"][0]["text"] == "t0"
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == 502
+
+
+def test_server_lists_and_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache.cli import main
+
+    assert server_urls("http://a:1, http://b:2/") == ["http://a:1", "http://b:2"]
+    for bad in ("", "a:1", "http://a:99999"):
+        with pytest.raises(ValueError):
+            server_urls(bad)
+    for argv, complaint in ((["--prefill", "http://a:1"], "--decode"),
+                            (["--prefill", "ftp://a:1", "--decode", "http://b:2"], "ftp://a:1")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["pd-proxy", *argv])
+        assert exit_.value.code == 2 and complaint in capsys.readouterr().err
