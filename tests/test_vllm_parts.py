@@ -75,7 +75,7 @@ def _vllm_config(model: str, *, block_size: int = 128, mla: bool = False, revisi
         model=model, revision=revision, dtype=torch.float32, quantization=None, use_mla=mla, is_hybrid=False,
         is_attention_free=False, max_model_len=1024,
         get_sliding_window=lambda: None, get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2,
-        get_head_size=lambda: 8,
+        get_head_size=lambda: 8, get_total_num_kv_heads=lambda: 2,
     )
     return SimpleNamespace(
         model_config=mc,

@@ -213,6 +213,7 @@ class Container(containers.DeclarativeContainer):
         storage_queue=config.provided.controller.storage_queue,
         max_prefetches=config.provided.controller.max_prefetches,
         alloc_wait_s=config.provided.controller.alloc_wait_s,
+        writes_storage=namespace.provided.writes_storage,
     )
 
     cache = providers.Singleton(HiCache, config, controller, namespace, build_storage_tier=storage_tier_builder)

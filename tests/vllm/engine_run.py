@@ -3,7 +3,8 @@
 Each test scenario is its own process (vLLM keeps process-wide state: the KV connector group,
 the distributed environment), started by ``test_vllm_connector.py``. The spec says the mode
 (``single``: one process; ``multi``: vLLM's default engine-core and worker processes), the
-connector's extra config (none: vLLM alone) and the phases; the results go to OUT.json.
+tensor-parallel size (default 1), the connector's extra config (none: vLLM alone) and the phases;
+the results go to OUT.json.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def _llm(spec: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
     if spec["mode"] == "single":
         kwargs["distributed_executor_backend"] = "uni"
+    if spec.get("tensor_parallel_size", 1) > 1:
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
     return LLM(
         model=spec["model_dir"],
         dtype="float32",
@@ -44,11 +47,11 @@ def _llm(spec: dict[str, Any]) -> Any:
     )
 
 
-def _channel(llm: Any) -> Any:
+def _channel(llm: Any, rank: int = 0) -> Any:
     from hicache.integrations.vllm import ChannelClient, socket_path
 
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
-    return ChannelClient(socket_path(engine_id))
+    return ChannelClient(socket_path(engine_id, rank))
 
 
 def _generate(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +115,16 @@ def main() -> int:
             channel = _channel(llm)
             channel.call({"op": "wait_idle"})
             results.append(channel.call({"op": "stats"}) or {})
+        elif kind == "rank_stats":  # every TP rank's worker, once its queued writes have landed
+            ranks = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+            channels = [_channel(llm, rank) for rank in range(ranks)]
+            for channel in channels:
+                channel.call({"op": "wait_idle"})
+            results.append({"ranks": [channel.call({"op": "stats"}) or {} for channel in channels]})
+        elif kind == "switch":  # a fault fake's switch file (tests/vllm/fakes.py)
+            with open(phase["path"], "w") as f:
+                f.write(phase["mode"])
+            results.append({})
         elif kind == "abort_while_prefetching":
             results.append(_abort_while_prefetching(llm, phase))
         elif kind == "check_consistent":

@@ -57,12 +57,13 @@ def _extra(pages: Path, kind: str = "file", **tier: Any) -> dict[str, Any]:
     }
 
 
-def run_engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def run_engine(tmp: Path, name: str, spec: dict[str, Any], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     spec = {"model_dir": str(smollm2_dir()), **spec}
     spec_path, out_path = tmp / f"{name}.spec.json", tmp / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS="2", OMP_WAIT_POLICY="PASSIVE", TOKENIZERS_PARALLELISM="false",
                HICACHE_VLLM_RUNTIME_DIR=str(tmp / "run"))
+    env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if spec["mode"] == "single" else "1"
     started = time.perf_counter()

@@ -106,6 +106,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         storage_queue: int = 64,
         max_prefetches: int = 4,
         alloc_wait_s: float = 30.0,
+        writes_storage: bool = True,
     ) -> None:
         self.tree = tree
         self.device = device
@@ -129,7 +130,10 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.alloc_wait_s = alloc_wait_s
         self.storage_writer = StorageWriter(tree, self.storage, self.counters, device.geometry.page_bytes)
         # Reads the live list: storage tiers come and go (attach_storage / detach_storage).
-        self.residency = Residency(write_policy, has_host=host.num_pages > 0, storage=self.storage)
+        # writes_storage=False: a rank whose shared pages another rank writes (Namespace.writes_storage).
+        self.residency = Residency(
+            write_policy, has_host=host.num_pages > 0, storage=self.storage, writes_storage=writes_storage
+        )
         self.chain = StorageChain(self)
         self.failure: WorkerFailedError | None = None
         # Set by an engine that knows when it computes (CachedCausalLM: its ComputeGate's
@@ -449,8 +453,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
             await self.submit_storage_backup(node, wait=wait)
 
     async def submit_storage_backup(self, node: TreeNode, *, wait: bool = True) -> bool:
-        """Queue a write of ``node``'s host pages to storage; with ``wait=False`` skip it when full."""
-        if self._storage_send is None or not self.storage_writer.wanted(node):
+        """Queue a write of ``node``'s host pages to storage; with ``wait=False`` skip it when full.
+
+        Nothing is written where the residency rule says storage is owed nothing (another rank writes it).
+        """
+        if self._storage_send is None or not self.residency.owes_storage or not self.storage_writer.wanted(node):
             return False
         job = self.storage_writer.prepare(node)
         self.jobs.add()

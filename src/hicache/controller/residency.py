@@ -15,6 +15,11 @@ The device boundary leads to the host tier, the host boundary to every storage t
 tier there is (the host without storage tiers, the device without a host tier) may always drop.
 Storage tiers come and go at runtime (``attach_storage`` / ``detach_storage``), so whether there is
 storage below the host is read from the live list of tiers each time, never fixed at construction.
+
+A rank of a parallel engine that does not write shared storage (``writes_storage=False``: an MLA
+rank but the first, a replica of a KV head; ``Namespace.writes_storage``) reads it but is owed
+nothing there: the writing rank stores those bytes. For it the host is the bottom of what the policy
+promises, so its host pages may always leave, none counts as lost, and it never writes.
 """
 
 from __future__ import annotations
@@ -38,17 +43,23 @@ class Verdict(Enum):
 class Residency:
     def __init__(
         self, write_policy: WritePolicy, *, has_host: bool = True, has_storage: bool = False,
-        storage: Sized | None = None,
+        storage: Sized | None = None, writes_storage: bool = True,
     ) -> None:
         self.write_policy = write_policy
         self.has_host = has_host  # no host tier (capacity 0): the device is the bottom
         self._storage = storage  # the controller's live list of storage tiers (attach/detach change it)
         self._fixed_storage = has_storage
+        self.writes_storage = writes_storage  # False: another rank writes these pages to shared storage
 
     @property
     def has_storage(self) -> bool:
         """Is there a storage tier below the host right now?"""
         return bool(self._storage) if self._storage is not None else self._fixed_storage
+
+    @property
+    def owes_storage(self) -> bool:
+        """Is there storage below the host that this cache writes (and so owes pages to) right now?"""
+        return self.writes_storage and self.has_storage
 
     def promised(self, node: TreeNode) -> bool:
         """Does the write policy promise ``node``'s pages to the tier below the one they are in?"""
@@ -66,14 +77,14 @@ class Residency:
         if (self.has_storage and node.stored) or not self.promised(node):
             return Verdict.FREE  # storage holds it already, or nothing was promised
         # Its storage write failed already: a host copy could only be dropped later as lost.
-        return Verdict.LOST if self.has_storage and node.store_failed else Verdict.COPY
+        return Verdict.LOST if self.owes_storage and node.store_failed else Verdict.COPY
 
     def leave_host(self, node: TreeNode) -> Verdict:
         """May ``node``'s host pages be dropped? (The caller checked it is unpinned and not loading.)"""
         if node.storing:
             # A write reads these pages, even one whose tiers were all detached meanwhile (it ends at once).
             return Verdict.WAIT
-        if not self.has_storage or node.stored:
+        if not self.owes_storage or node.stored:
             return Verdict.FREE
         if not self.promised(node):
             return Verdict.FREE
@@ -83,4 +94,4 @@ class Residency:
 
     def owed_below(self, node: TreeNode) -> bool:
         """Pages the policy promised to storage that storage does not hold (what shutdown drains)."""
-        return self.has_storage and not node.stored and self.promised(node)
+        return self.owes_storage and not node.stored and self.promised(node)

@@ -48,9 +48,11 @@ def _runtime_dir() -> Path:
     return path
 
 
-def socket_path(engine_id: str) -> str:
-    """Where the worker of vLLM engine ``engine_id`` listens (the same in every process of the engine)."""
-    digest = hashlib.blake2b(engine_id.encode(), digest_size=12).hexdigest()
+def socket_path(engine_id: str, rank: int = 0) -> str:
+    """Where worker ``rank`` (its TP rank) of vLLM engine ``engine_id`` listens (the same in every
+    process of the engine). Rank 0's name is the one a single-rank engine always had."""
+    name = engine_id if rank == 0 else f"{engine_id}\0rank{rank}"
+    digest = hashlib.blake2b(name.encode(), digest_size=12).hexdigest()
     return str(_runtime_dir() / f"{digest}.sock")
 
 

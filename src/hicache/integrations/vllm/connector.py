@@ -33,10 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from .channel import ChannelClient, socket_path
+from .channel import socket_path
 from .metadata import HiCacheMetadata
+from .ranks import RankChannels
 from .scheduler_side import SchedulerSide
-from .settings import cache_config_for, connector_options
+from .settings import cache_config_for, connector_options, worker_rank
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -79,7 +80,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         engine_id = ktc.engine_id or str(vllm_config.instance_id)
-        self.channel_path = socket_path(engine_id)
+        # Each TP rank's worker has its own cache and channel; the scheduler asks them all (ranks.py).
+        self.channel_path = socket_path(engine_id, worker_rank(vllm_config))
         block_size = vllm_config.cache_config.block_size
         device = vllm_config.device_config.device_type
         options = connector_options(extra)
@@ -93,7 +95,8 @@ class HiCacheConnector(KVConnectorBase_V1):
                     ktc.kv_load_failure_policy,
                 )
             config = cache_config_for(vllm_config, extra, device=device, fingerprint=False)
-            self.scheduler = SchedulerSide(ChannelClient(self.channel_path), config.page_size, block_size)
+            ranks = RankChannels(engine_id, vllm_config.parallel_config.tensor_parallel_size)
+            self.scheduler = SchedulerSide(ranks, config.page_size, block_size)
         else:
             config = cache_config_for(vllm_config, extra, device=device, max_shutdown_s=_worker_exit_budget_s(vllm_config))
             if config.tiers.storage and vllm_config.shutdown_timeout == 0:

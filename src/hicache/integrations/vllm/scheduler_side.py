@@ -17,6 +17,7 @@ step must load and save.
   whose queued lookup left one held: the others cost no round trip).
 
 Lookups go to the worker over the side channel (see ``channel.py``); a lookup that fails is a miss.
+Under tensor parallelism they go to every rank's worker and the answer is the minimum (``ranks.py``).
 Each hook is timed (``profile.py``); the profile rides on the lookup and forget messages to the
 worker, which exports it with its own metrics.
 """
@@ -31,6 +32,7 @@ from typing import Any
 from .channel import ChannelClient
 from .metadata import HiCacheMetadata, LoadSpec, SaveSpec
 from .profile import SCHEDULER_HOOKS, HookProfile
+from .ranks import RankChannels
 
 __all__ = ["SchedulerSide"]
 
@@ -45,7 +47,7 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, client: ChannelClient, page_size: int, block_size: int) -> None:
+    def __init__(self, client: ChannelClient | RankChannels, page_size: int, block_size: int) -> None:
         self.client = client
         self.page_size = page_size
         self.block_size = block_size

@@ -13,10 +13,12 @@ the model's identity and KV geometry from vLLM's model config.
   (default: not served; host ``127.0.0.1``; port 0 picks a free one, logged).
 
 The ``model`` section is always filled from vLLM: name (the model path or id, plus the
-quantization method), layers, KV heads, head size and KV dtype. Its ``revision`` is the weights'
-fingerprint (xxh3-128 over the weight files of a local model folder) unless the YAML sets one,
-so KV computed by other weights under the same name is never served. ``page_size`` defaults to
-vLLM's block size; a page size given in the YAML must divide it.
+quantization method), layers, KV heads (this rank's), head size and KV dtype. Its ``revision`` is
+the weights' fingerprint (xxh3-128 over the weight files of a local model folder) unless the YAML
+sets one, so KV computed by other weights under the same name is never served. ``page_size``
+defaults to vLLM's block size; a page size given in the YAML must divide it. ``parallel`` is filled
+too (``parallel_section``): under tensor parallelism each worker rank's cache holds its slice of the
+KV heads, in a namespace of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ import yaml
 from ...config import HiCacheConfig, load_config
 from ...errors import ConfigError, UnsupportedModelError
 
-__all__ = ["EXTRA_KEYS", "ConnectorOptions", "cache_config_for", "connector_options", "weights_fingerprint"]
+__all__ = [
+    "EXTRA_KEYS", "ConnectorOptions", "cache_config_for", "connector_options", "parallel_section", "weights_fingerprint",
+    "worker_rank",
+]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
@@ -99,8 +104,6 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
         raise UnsupportedModelError(f"{name}: hybrid and attention-free models keep state hicache does not cache")
     if mc.get_sliding_window() is not None:
         raise UnsupportedModelError(f"{name}: sliding-window layers keep only part of the prefix")
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        raise UnsupportedModelError("the hicache vLLM connector supports tensor and pipeline parallel size 1")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kv_cache_dtype {cache_dtype!r}: only the model dtype ('auto') is supported")
@@ -116,6 +119,40 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
         "head_dim": mc.get_head_size(),
         "dtype": dtype,
         "attention": "mha",
+    }
+
+
+def worker_rank(vllm_config: Any) -> int:
+    """This worker's index among the engine's workers (its TP rank: pipeline parallelism is refused).
+
+    vLLM numbers workers DP x PP x TP and sets ``parallel_config.rank`` in each worker before it
+    builds the connector; the scheduler's process keeps the default 0.
+    """
+    pc = vllm_config.parallel_config
+    return int(getattr(pc, "rank", 0) or 0) % pc.tensor_parallel_size
+
+
+def parallel_section(vllm_config: Any) -> dict[str, Any]:
+    """hicache's ``parallel`` section for this worker: TP rank, TP size and the model's KV heads.
+
+    vLLM splits the KV heads in rank order and, with fewer heads than ranks, replicates each on
+    ``tp_size / heads`` consecutive ranks: the layout ``Namespace`` assumes. Pipeline and context
+    parallelism are refused (a stage's layer names would need offsetting, which vLLM's CPU build
+    cannot run here to test; context parallelism splits a request's tokens over ranks).
+    """
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size != 1:
+        raise UnsupportedModelError(
+            f"pipeline_parallel_size {pc.pipeline_parallel_size}: the hicache vLLM connector supports "
+            "tensor parallelism only (pipeline_parallel_size 1)"
+        )
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(pc, name, 1) or 1) != 1:
+            raise UnsupportedModelError(f"{name} {getattr(pc, name)}: a rank would hold only some of a request's tokens")
+    return {
+        "tp_rank": worker_rank(vllm_config),
+        "tp_size": pc.tensor_parallel_size,
+        "total_kv_heads": vllm_config.model_config.get_total_num_kv_heads(),
     }
 
 
@@ -156,6 +193,7 @@ def cache_config_for(
         raise ConfigError("kv_connector_extra_config.overrides must be a mapping")
     block_size = vllm_config.cache_config.block_size
     model = _model_section(vllm_config)
+    parallel = parallel_section(vllm_config)
     base = load_config(path, overrides=user)
     if base.model.revision:
         model["revision"] = base.model.revision  # the operator's pin wins over the fingerprint
@@ -174,9 +212,10 @@ def cache_config_for(
     sched = vllm_config.scheduler_config
     staging = int(extra.get("staging_tokens") or (vllm_config.model_config.max_model_len + sched.max_num_batched_tokens))
     staging_pages = -(-staging // page_size)
-    probe = load_config(path, overrides=_merge(user, {"model": model, "page_size": page_size}))
+    probe = load_config(path, overrides=_merge(user, {"model": model, "parallel": parallel, "page_size": page_size}))
     derived: dict[str, Any] = {
         "model": model,
+        "parallel": parallel,
         "page_size": page_size,
         "tiers": {"device": {"capacity": staging_pages * probe.page_bytes, "device": device}},
     }
