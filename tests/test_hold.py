@@ -107,3 +107,33 @@ async def test_hold_past_the_cached_prefix_holds_nothing_and_bad_starts_raise() 
             cache.reserve(17, tier="host")
         await cache.wait_idle()
         assert_consistent(cache)
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_a_prefaulted_host_tier_is_resident_after_open_and_its_contents_are_untouched() -> None:
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("MADV_POPULATE_WRITE is Linux's")
+    config = make_config(2, 8192, tiers={"host": {"prefault": True}})  # 16 MiB
+    ps = config.page_size
+    tokens, kv = make_tokens(8 * ps, seed=5), make_kv(config, 8 * ps, seed=5)
+    before = _rss_bytes()
+    async with HiCache.from_config(config) as cache:
+        host = cache.controller.host
+        assert host.prefault_thread is not None
+        async with cache.reserve(8, tier="host") as res:  # written while the thread may still run
+            write_pages(host, res.pages, kv, 0, ps)
+            await res.commit(tokens)
+        host.prefault_thread.join(timeout=30)
+        grown = _rss_bytes() - before
+        if grown < host.buffer.numel() * host.buffer.element_size() // 2:
+            pytest.skip("this kernel does not populate (MADV_POPULATE_WRITE, Linux 5.14+)")
+        async with cache.hold(tokens) as held:
+            assert torch.equal(read_held(held, kv.shape, ps), kv)
