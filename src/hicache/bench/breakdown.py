@@ -23,14 +23,42 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["CRITICAL_HOOKS", "fit_prefill_cost", "format_breakdown", "format_step_profile", "step_profile",
-           "ttft_breakdown"]
+__all__ = ["CRITICAL_HOOKS", "fit_prefill_cost", "format_breakdown", "format_step_profile", "merge_stats",
+           "step_profile", "ttft_breakdown"]
 
 #: hooks on vLLM's critical path, by side (``worker.catch_up`` runs inside ``scheduler.lookup``)
 CRITICAL_HOOKS = {
     "scheduler": ("lookup", "plan", "finish"),
     "worker": ("bind", "load_wait", "load", "save", "commit", "stats"),
 }
+
+
+def merge_stats(runs: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Several runs' connector stats as one: profiles, counters and the loop's CPU summed; the rest the last run's."""
+    runs = [r for r in runs if r]
+    if not runs:
+        return None
+    out = dict(runs[-1])
+
+    def add(a: Any, b: Any) -> Any:
+        if isinstance(a, dict) and isinstance(b, dict):
+            return {k: add(a.get(k), b.get(k)) for k in a.keys() | b.keys()}
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            return [add(x, y) for x, y in zip(a, b)]
+        if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
+            return a + b
+        return a if b is None else b
+
+    for key in ("profile", "connector"):
+        merged: Any = {}
+        for r in runs:
+            merged = add(merged, r.get(key) or {})
+        out[key] = merged
+    out["loop_cpu_s"] = sum(r.get("loop_cpu_s") or 0.0 for r in runs)
+    cache = dict(out.get("cache") or {})
+    cache["short_retrieves"] = sum((r.get("cache") or {}).get("short_retrieves", 0) for r in runs)
+    out["cache"] = cache
+    return out
 
 
 def step_profile(stats: dict[str, Any] | None, requests: int) -> dict[str, Any]:
@@ -89,6 +117,7 @@ def ttft_breakdown(
     name: str = "vllm+hicache",
     limit: str = "vllm-unbounded",
     uncached: tuple[str, ...] = ("vllm", "vllm-unbounded"),
+    cpu_s: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The gap between ``name``'s mean TTFT and ``limit``'s, split (ms per request); ``{}`` if either is missing."""
     if name not in summaries or limit not in summaries:
@@ -101,7 +130,13 @@ def ttft_breakdown(
     recompute = extra * fit[1] * 1e3 if fit is not None else math.nan
     connector = profile.get("critical_path_ms_per_request", 0.0)
     known = queue + connector + (recompute if recompute == recompute else 0.0)
-    return {
+    cpu = {}
+    if cpu_s and name in cpu_s and limit in cpu_s:
+        # CPU seconds of every process of each configuration, per request: what the background work
+        # (storage writes and reads, the cache's loop) adds beside the model, on the same cores.
+        cpu = {"cpu_ms_per_request": cpu_s[name] * 1e3 / max(1, len(mine)),
+               "limit_cpu_ms_per_request": cpu_s[limit] * 1e3 / max(1, len(ref))}
+    return cpu | {
         "ttft_gap_ms": gap,
         "ratio": summaries[name]["ttft_s"]["mean"] / summaries[limit]["ttft_s"]["mean"],
         "queue_ms": queue,
@@ -132,7 +167,11 @@ def format_step_profile(profile: dict[str, Any]) -> str:
 def format_breakdown(b: dict[str, Any], name: str = "vllm+hicache", limit: str = "vllm-unbounded") -> str:
     if not b:
         return f"  ({name} or {limit} did not run)"
-    return (f"  {name} mean TTFT - {limit}'s: {b['ttft_gap_ms']:+,.1f} ms ({b['ratio']:.3f}x) = queue "
+    line = (f"  {name} mean TTFT - {limit}'s: {b['ttft_gap_ms']:+,.1f} ms ({b['ratio']:.3f}x) = queue "
             f"{b['queue_ms']:+,.1f} + connector {b['connector_ms']:,.1f} + recompute {b['recompute_ms']:+,.1f} "
             f"({b['extra_computed_tokens_per_request']:+,.0f} tokens a request at {b['ms_per_computed_token']:.3f} ms) "
             f"+ other {b['other_ms']:+,.1f}")
+    if "cpu_ms_per_request" in b:
+        line += (f"\n  CPU of all its processes per request: {b['cpu_ms_per_request']:,.0f} ms against the limit's "
+                 f"{b['limit_cpu_ms_per_request']:,.0f} (the cache's background work runs on the same cores)")
+    return line

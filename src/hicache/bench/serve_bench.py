@@ -39,6 +39,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -126,7 +127,9 @@ def serve_sizes(args: argparse.Namespace, workload: MultiTurn | LongContext, tok
     # The limit: the whole workload (a block more per request for partial blocks) beside the running batch.
     unbounded = math.ceil(kv_tokens / bs) + workload.requests + running * max_model_len // bs
     page_bytes = bs * token_bytes
-    host_pages = max(math.ceil(kv_tokens * args.host_fraction / bs), max_model_len // bs + 1)
+    # The host tier holds at least what the running requests hold and save at once (their pages are
+    # pinned while loaded, reserved while saved), and a block more.
+    host_pages = max(math.ceil(kv_tokens * args.host_fraction / bs), running * max_model_len // bs + 1)
     return {
         "kv_tokens": kv_tokens,
         "max_model_len": max_model_len,
@@ -251,6 +254,8 @@ def run_serve_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGURATIONS)}")
     out = Path(args.out or "bench-results/serve-smollm2").resolve()
     out.mkdir(parents=True, exist_ok=True)
+    # A SIGTERM (a timeout, a CI job cancelled) unwinds like Ctrl-C: the running server is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     os.environ.setdefault("HICACHE_VLLM_RUNTIME_DIR", str(out / "run"))  # the connector's channel, for its records
     workloads = list(WORKLOADS) if args.workload == "both" else [args.workload]
     report: dict[str, Any] = {

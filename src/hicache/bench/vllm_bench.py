@@ -40,7 +40,9 @@ from typing import Any
 
 from .breakdown import format_breakdown, format_step_profile, step_profile, ttft_breakdown
 from .models import smollm2_dir
-from .report import format_rounds, format_table, outputs_of, plot, summarise
+from .breakdown import merge_stats
+from .repeats import run_order, summarise_runs
+from .report import format_rounds, format_table, outputs_of, plot
 from .workloads import MultiTurn
 
 __all__ = ["CONFIGURATIONS", "add_parser", "add_vllm_process_arguments", "run_vllm_benchmark", "run_worker", "vllm_env"]
@@ -67,6 +69,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--host-fraction", type=float, default=0.5,
                    help="hicache's host tier / workload KV (at least max_model_len plus a block)")
     g.add_argument("--block-size", type=int, default=128, help="vLLM's block size (the CPU backend: multiples of 32)")
+    g.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the configurations N times in alternating order (as given, reversed, ...) and pool "
+                        "each one's requests, so the machine's drift weighs on all alike")
     add_vllm_process_arguments(g)
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -121,9 +126,10 @@ def _sizes(args: argparse.Namespace, workload: MultiTurn, geo: dict[str, int]) -
     # The limit: every conversation's whole history, and room for the running requests beside it.
     unbounded = math.ceil(kv_tokens / bs) + running * max_model_len // bs
     page_bytes = bs * geo["token_bytes"]
-    # The host tier gets at least one max_model_len plus a block: a prefix fetched from the file tier
-    # passes through it whole before it is copied into vLLM's blocks.
-    host_pages = max(math.ceil(kv_tokens * args.host_fraction / bs), max_model_len // bs + 1)
+    # The host tier holds at least the running requests' pages and a block: a prefix fetched from the
+    # file tier passes through it whole before it is copied into vLLM's blocks, and a step's new pages
+    # are reserved there while vLLM computes them.
+    host_pages = max(math.ceil(kv_tokens * args.host_fraction / bs), running * max_model_len // bs + 1)
     return {
         "kv_tokens": kv_tokens,
         "max_model_len": max_model_len,
@@ -231,21 +237,29 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
           f"{sizes['vllm_kv_tokens']:,} tokens ({sizes['vllm_kv_tokens'] / sizes['kv_tokens']:.0%}: {sizes['running']} "
           f"running at {sizes['max_model_len']:,}), unbounded {sizes['unbounded_kv_tokens']:,}; hicache host "
           f"{sizes['host_tokens']:,} tokens ({sizes['host_tokens'] / sizes['kv_tokens']:.0%}) + file tier", file=sys.stderr)
-    results: dict[str, dict[str, Any]] = {}
-    for name in configs:
-        results[name] = run_worker(_spec(args, name, workload, sizes, out))
-    summaries = {name: summarise(r["records"], r["wall_s"]) for name, r in results.items()}
-    reference = outputs_of(results[configs[0]]["records"])
-    for name, r in results.items():
-        mine = outputs_of(r["records"])
-        summaries[name]["outputs_differ_from_" + configs[0]] = sum(1 for k, v in mine.items() if reference.get(k) != v)
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
+    orders = run_order(configs, args.repeat)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    for k, order in enumerate(orders):
+        if args.repeat > 1:
+            print(f"  repeat {k + 1} of {args.repeat}: {' '.join(order)}", file=sys.stderr)
+        for name in order:
+            runs[name].append(run_worker(_spec(args, name, workload, sizes, out)))
+    results = {name: _pooled(rs) for name, rs in runs.items()}
+    summaries = {name: summarise_runs(rs) for name, rs in runs.items()}
+    reference = outputs_of(runs[configs[0]][0]["records"])
+    for name, rs in runs.items():
+        summaries[name]["outputs_differ_from_" + configs[0]] = sum(
+            1 for r in rs for k, v in outputs_of(r["records"]).items() if reference.get(k) != v)
     tiers = sorted({t for s in summaries.values() for t in s["hit_rate_by_tier"]},
                    key=lambda t: ({"vllm": 0, "device": 1, "host": 2}.get(t, 3), t))
     profile = {}
     if "vllm+hicache" in results:
         r = results["vllm+hicache"]
         profile = step_profile(r.get("cache_stats"), len(r["records"]))
-    breakdown = ttft_breakdown({n: r["records"] for n, r in results.items()}, summaries, profile)
+    cpu = {n: r["cpu_s"]["total"] for n, r in results.items() if (r.get("cpu_s") or {}).get("total") is not None}
+    breakdown = ttft_breakdown({n: r["records"] for n, r in results.items()}, summaries, profile, cpu_s=cpu)
     sequential = min(args.max_parallel, args.max_running) == 1
     report = {
         "benchmark": "vllm",
@@ -291,6 +305,22 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     else:
         print(f"\nwrote {out / 'results.json'}")
     return report
+
+
+def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's runs as one: records tagged with their repeat, stats and CPU summed."""
+    cpu: dict[str, float] = {}
+    for run in runs:
+        for key, value in (run.get("cpu_s") or {}).items():
+            cpu[key] = cpu.get(key, 0.0) + value
+    return {
+        **runs[0],
+        "records": [{**r, "repeat": k} for k, run in enumerate(runs) for r in run["records"]],
+        "wall_s": sum(run["wall_s"] for run in runs),
+        "cache_stats": merge_stats([run.get("cache_stats") for run in runs]),
+        "cpu_s": cpu,
+        "repeats": len(runs),
+    }
 
 
 def _cpu_pressure() -> str | None:

@@ -73,9 +73,10 @@ class VllmServer:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         began = time.monotonic()
         with open(self.log, "wb") as out:
-            # Its own process group: stop() signals vLLM's API server, engine core and worker together.
+            # Its own process group (stop() kills what vLLM leaves of it), and a SIGTERM to it if this
+            # process dies without stopping it: a benchmark killed midway leaves no server running.
             self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_term_with_parent)
         try:
             while True:
                 if self.proc.poll() is not None:
@@ -135,7 +136,7 @@ class VllmServer:
         if proc is None:
             return None
         if proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # the API server; it shuts its engine core and worker down in order
             try:
                 proc.wait(timeout=self.stop_timeout_s)
             except subprocess.TimeoutExpired:
@@ -149,6 +150,14 @@ class VllmServer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
+
+
+def _term_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the parent exits (``PR_SET_PDEATHSIG``)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
