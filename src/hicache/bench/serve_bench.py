@@ -61,8 +61,8 @@ __all__ = ["CONFIGURATIONS", "WORKLOADS", "add_parser", "run_serve_benchmark", "
 CONFIGURATIONS = ("vllm", "vllm+hicache", "vllm-unbounded")
 WORKLOADS = ("multiturn", "long-context")
 
-MULTITURN = MultiTurn(clients=16, rounds=6, request_len=512, output_len=16)
-LONG_CONTEXT = LongContext(documents=12, document_len=3072, questions=3, question_len=64, output_len=16)
+MULTITURN = MultiTurn(clients=16, rounds=5, request_len=512, output_len=16)
+LONG_CONTEXT = LongContext(documents=12, document_len=1536, questions=8, question_len=64, output_len=16)
 
 
 def add_parser(sub: Any) -> None:
