@@ -63,12 +63,9 @@ async def _drive(servers: ServerSet, conversations: list[Conversation], settings
 def split_by_tier(records: list[dict[str, Any]], loads: dict[str, dict[str, Any]], id_prefix: str) -> None:
     """Fill each record's ``by_tier``: what the connector loaded for it, by tier, and the rest of its
     cached tokens as vLLM's own prefix cache's (``loads``: the connectors' per-request records)."""
-    by_id: dict[str, dict[str, Any]] = {}
-    for key, load in loads.items():
-        by_id.setdefault(key, load)
     for r in records:
         rid = request_id(id_prefix, {"conversation": r["conversation"], "round": r["round"]})
-        mine = [v for k, v in by_id.items() if rid in k]
+        mine = [v for k, v in loads.items() if rid in k]  # vLLM's request id embeds the X-Request-Id
         loaded = sum(int(v["loaded_tokens"]) for v in mine)
         tiers: dict[str, int] = {}
         for v in mine:

@@ -25,7 +25,7 @@ import torch
 
 from ...errors import UnsupportedModelError
 
-__all__ = ["CopyRun", "BlockLayout", "count_pages"]
+__all__ = ["CopyRun", "BlockLayout"]
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,6 @@ class CopyRun:
     sub: int
     page: int
     length: int
-
-
-def count_pages(runs: list[CopyRun]) -> int:
-    return sum(r.length for r in runs)
 
 
 class BlockLayout:

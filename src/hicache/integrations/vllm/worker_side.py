@@ -28,7 +28,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ...config import HiCacheConfig
 from ...errors import HiCacheError
 from .cpus import reserved_cpus, use_cpus
-from .layout import BlockLayout, CopyRun, count_pages
+from .layout import BlockLayout, CopyRun
 from .metadata import HiCacheMetadata, LoadSpec
 from .service import CacheService, StepLeases
 from .settings import ConnectorOptions
