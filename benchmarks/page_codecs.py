@@ -18,7 +18,7 @@ head, dim]`` and times, on one thread, each candidate on every page, in fp32 and
   dequantised KV and the rest prefilled (mean and max |logit difference| against a full prefill,
   and whether the greedy token is the same), at several prefix lengths.
 
-The lossless rows are what ``README.md`` ("Storage tiers: codecs") chooses the ``lossless`` codec's
+The lossless rows are what ``docs/codecs.md`` chooses the ``lossless`` codec's
 library from, the lossy rows what chooses the 8-bit scheme. GB = 1e9 B; one thread
 (``torch.set_num_threads(1)``). Record /proc/pressure/cpu with the numbers: these machines are shared.
 """

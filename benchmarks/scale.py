@@ -8,7 +8,7 @@ Usage::
 A tiny geometry (1 layer, 1 KV head, head_dim 2, float32, page 16: 256 bytes a page) makes data
 copies negligible, so what is timed is bookkeeping: the index, the allocators and the evictor. For
 each size N the device and the host tier hold N pages each, the index is filled with N/10 distinct
-10-page prompts held on both tiers (inserted through ``insert_pages``: bookkeeping only), with the
+10-page prompts held on both tiers (inserted through ``Placement.insert_pages``: bookkeeping only), with the
 ``write_back`` and ``lru`` policies and watermark eviction off (``high_watermark: 1``) so that each
 call does only its own work. All sizes stay open side by side and ``--calls`` cycles run, one
 cycle per size in turn, so machine noise hits every size alike. A cycle times:
@@ -116,7 +116,7 @@ def fill(cache: HiCache, prompts: Prompts, count: int, pages: int, *, progress: 
     host = ctl.host.allocator.allocate(count * pages)
     bar = tqdm(total=count, desc=progress, unit="prompt", file=sys.stderr, leave=False) if progress and tqdm else None
     for i in range(count):
-        inserted = ctl.insert_pages(prompts.raw(i), 0, dev[i * pages : (i + 1) * pages], [])
+        inserted = ctl.placement.insert_pages(prompts.raw(i), 0, dev[i * pages : (i + 1) * pages], [])
         (node,) = inserted.nodes
         node.host = host[i * pages : (i + 1) * pages]
         if bar is not None and i % 1024 == 1023:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from hicache import HiCache, HiCacheConfig
-from hicache.containers import geometry_from_config
-from hicache.keys import Namespace, as_token_bytes, chain_keys
+from hicache.containers import geometry_from_config, namespace_from_config
+from hicache.keys import as_token_bytes, chain_keys
 from hicache.tiers.storage import HEADER_BYTES, PageIO, StorageBackend
 from hicache.tiers.storage.page_format import PageCodec
 from hicache.tiers.storage.registry import resolve_backend
@@ -42,13 +42,13 @@ def tier_entry(kind: str, *, tmp_path: Path, valkey_port: int | None = None, moo
 
 
 def codec_of(config: HiCacheConfig) -> PageCodec:
-    ns = Namespace.from_config(config)
+    ns = namespace_from_config(config)
     return PageCodec(ns.digest, geometry_from_config(config), ns.tenant_key)
 
 
 def storage_names(config: HiCacheConfig, tokens: list[int]) -> list[bytes]:
     """The names ``config``'s cache stores the full pages of ``tokens`` under."""
-    ns = Namespace.from_config(config)
+    ns = namespace_from_config(config)
     keys = chain_keys(ns.digest, as_token_bytes(tokens), config.page_size)
     return codec_of(config).storage_keys(keys)
 

@@ -1,4 +1,4 @@
-"""The admin endpoint as a hostile client on loopback sees it (no token: the README allows one there).
+"""The admin endpoint as a hostile client on loopback sees it (no token: docs/operating.md allows one there).
 
 Secrets of the server (its environment, secret fields) never come back in an answer; a request
 never makes the server import a module; requests are parsed by h11 with its limits, whatever way the

@@ -119,7 +119,7 @@ class Program:
                     node.host = self.fresh(node.num_pages)
             else:
                 node.host = self.fresh(node.num_pages)
-            node.priority = b % 3 - 1  # set once, right after the pages (as insert_pages does)
+            node.priority = b % 3 - 1  # set once, right after the pages (as Placement.insert_pages does)
             return
         node = self.pick(a)
         if node is None:

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.config import CodecConfig, load_config
+from hicache import load_config
+from hicache.config import CodecConfig
 from hicache.errors import ConfigError
 from hicache.keys import TenantKey
 from hicache.tiers.base import KVGeometry

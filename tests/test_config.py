@@ -8,12 +8,12 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from hicache import load_config  # config.read_config with the composition root's backend resolver
 from hicache.config import (
     ControllerConfig,
     HiCacheConfig,
     ModelConfig,
     format_size,
-    load_config,
     parse_size,
 )
 from hicache.errors import ConfigError
@@ -464,3 +464,40 @@ def test_storage_tiers_need_a_host_tier() -> None:
     with pytest.raises(ConfigError, match="tiers.host.capacity: storage tiers are written and read through the host"):
         load_config(overrides={"tiers": {"host": {"capacity": 0}, "storage": [{"kind": "memory"}]}}, env={})
     assert load_config(overrides={"tiers": {"host": {"capacity": 0}}}, env={}).tiers.host.capacity == 0
+
+
+# --------------------------------------------------------------------------- describing vs. building
+
+
+def test_config_describes_the_composition_root_checks_backend_settings() -> None:
+    """config.read_config alone keeps a storage entry's settings as given (it imports no tier);
+    hicache.load_config passes the composition root's resolver, so a typo fails at load time, and
+    a config built without one fails when the cache builds the tier."""
+    from hicache import HiCache
+    from hicache.config import read_config
+
+    entry = {"kind": "file", "path": "/tmp/x", "fsink": "never"}
+    described = read_config(overrides={"tiers": {"storage": [entry]}}, env={})
+    assert described.tiers.storage[0].options == {"path": "/tmp/x", "fsink": "never"}
+    assert "overrides: tiers.storage[0].fsink: unknown setting" in config_error(
+        overrides={"tiers": {"storage": [entry]}}, env={}
+    )
+    with pytest.raises(ConfigError, match="fsink"):
+        HiCache.from_config(described)
+    assert "unknown storage backend 'nope'" in config_error(overrides={"tiers": {"storage": [{"kind": "nope"}]}}, env={})
+
+
+def test_secrets_the_resolver_names_are_masked_in_dumps_and_reprs() -> None:
+    """s3's access_key_id is a SecretStr though not named like a secret: the resolver says so."""
+    from hicache.config import read_config
+
+    entry = {"kind": "s3", "bucket": "pages", "access_key_id": "AKIAVISIBLEKEY123", "region": "eu-west-1"}
+    resolved = load_config(overrides={"tiers": {"storage": [entry]}}, env={})
+    for text in (resolved.to_yaml(), repr(resolved)):
+        assert "AKIAVISIBLEKEY123" not in text and "eu-west-1" in text
+    # Described only (no resolver): settings named like secrets are still masked.
+    described = read_config(overrides={"tiers": {"storage": [{"kind": "x.y:Z", "api_token": "t0ps3cr3t"}]}}, env={})
+    assert "t0ps3cr3t" not in described.to_yaml() + repr(described)
+    assert described.tiers.storage[0].options["api_token"] == "t0ps3cr3t"
+    # Whether a resolver checked an entry does not change what it says.
+    assert read_config(overrides={"tiers": {"storage": [entry]}}, env={}) == resolved

@@ -6,7 +6,8 @@ from array import array
 
 import pytest
 
-from hicache.keys import KEY_BYTES, Namespace, as_token_bytes, chain_keys
+from hicache.containers import namespace_from_config
+from hicache.keys import KEY_BYTES, as_token_bytes, chain_keys
 from hicache.radix_tree import HiRadixTree, Pin
 
 from .conftest import make_config
@@ -78,8 +79,8 @@ def test_chain_keys_depend_on_the_whole_prefix_and_the_namespace() -> None:
     ],
 )
 def test_namespace_digest_covers_everything_that_changes_kv(change: dict) -> None:
-    base = Namespace.from_config(make_config())
-    other = Namespace.from_config(make_config(**change))
+    base = namespace_from_config(make_config())
+    other = namespace_from_config(make_config(**change))
     assert base.digest != other.digest
 
 

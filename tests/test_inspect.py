@@ -14,9 +14,8 @@ from typing import Any
 import anyio
 import pytest
 
-from hicache import HiCache
+from hicache import HiCache, load_config
 from hicache.cli import main as cli_main
-from hicache.config import load_config
 from hicache.errors import ConfigError
 from hicache.keys import as_token_bytes, chain_keys
 from hicache.tiers.storage.base import PageIO, StoredPage

@@ -1,4 +1,4 @@
-"""Every `make` target the README names runs as written (with --help, or at the smallest size).
+"""Every `make` target README.md and docs/ name runs as written (with --help, or at the smallest size).
 
 The targets run with this interpreter's environment (``BIN``) and without reinstalling it
 (``-o`` on the install stamps), so the test needs no network and no second install.
@@ -29,11 +29,15 @@ def make(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def readme_targets() -> set[str]:
-    text = (ROOT / "README.md").read_text()
-    return set(re.findall(r"`make ([a-z][a-z-]*)", text)) | set(re.findall(r"^make ([a-z][a-z-]*)", text, re.M))
+    """The targets README.md and the pages of docs/ name."""
+    targets: set[str] = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        targets |= set(re.findall(r"`make ([a-z][a-z-]*)", text)) | set(re.findall(r"^make ([a-z][a-z-]*)", text, re.M))
+    return targets
 
 
-#: how each target the README names is run here: make arguments, and what its output must say
+#: how each target the docs name is run here: make arguments, and what its output must say
 RUNS = {
     "run": (["run", "ARGS=multiturn --help"], "hicache bench multiturn"),
     "bench": (["bench", "ARGS=--help"], "transfer.py"),
@@ -88,6 +92,7 @@ def test_the_sglang_targets_name_the_third_environment() -> None:
 
 def test_the_readme_starts_with_exactly_the_two_set_up_commands() -> None:
     text = (ROOT / "README.md").read_text()
-    first_block = text.split("```", 2)[1]
-    commands = [line.split("#")[0].strip() for line in first_block.strip().splitlines()]
+    first_block = re.search(r"^```[^\n]*\n(.*?)^```", text, re.M | re.S)
+    assert first_block is not None and text[: first_block.start()].count("\n") <= 2, "the commands come first"
+    commands = [line.split("#")[0].strip() for line in first_block.group(1).strip().splitlines()]
     assert commands == ["make run", "make test"], commands

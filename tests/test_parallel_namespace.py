@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from hicache import HiCache, load_config
-from hicache.containers import page_codec_from_config
+from hicache.containers import namespace_from_config, page_codec_from_config
 from hicache.errors import ConfigError
 from hicache.keys import Namespace, external_page_keys
 
@@ -19,7 +19,7 @@ from .conftest import make_config, make_kv, make_tokens
 
 def ns(heads: int = 2, layers: int = 4, attention: str = "mha", **parallel: Any) -> Namespace:
     model = {"name": "m", "num_layers": layers, "num_kv_heads": heads, "head_dim": 8, "attention": attention}
-    return Namespace.from_config(load_config(overrides={"model": model, "parallel": parallel}, env={}))
+    return namespace_from_config(load_config(overrides={"model": model, "parallel": parallel}, env={}))
 
 
 def test_a_single_rank_keeps_the_digest_it_always_had() -> None:

@@ -40,7 +40,7 @@ async def test_a_bulk_eviction_lets_other_tasks_run() -> None:
         ctl = cache.controller
         pages = ctl.device.allocator.allocate(4096)
         for i in range(4096):  # 4096 one-page nodes, published directly (no copies needed here)
-            ctl.insert_pages(as_token_bytes(distinct(i)), 0, pages[i : i + 1], [])
+            ctl.placement.insert_pages(as_token_bytes(distinct(i)), 0, pages[i : i + 1], [])
         ticks: list[int] = []
         done = anyio.Event()
 
@@ -92,7 +92,7 @@ async def test_victims_leave_in_policy_order_on_a_large_pool(policy: str) -> Non
         pages = ctl.device.allocator.allocate(2000)
         owner = {}
         for i in range(2000):
-            (node,) = ctl.insert_pages(as_token_bytes(distinct(i)), 0, pages[i : i + 1], [], priority=i % 3).nodes
+            (node,) = ctl.placement.insert_pages(as_token_bytes(distinct(i)), 0, pages[i : i + 1], [], priority=i % 3).nodes
             owner[pages[i]] = node
         await ctl.evictor.evict_device(0)  # queues them all (as a store's allocation would)
         for i in range(0, 2000, 7):  # hits move some nodes back in LRU and LFU order

@@ -12,7 +12,9 @@ one task). After every step the program checks, against a model of what was stor
 3. every retrieve returns, bit-exact, the KV stored for the prefix it reports, and that prefix was
    stored;
 4. ``lookup`` is page-aligned, within the query, and agrees with an immediately following retrieve
-   (which may only be shorter when the host-only part could not be loaded for lack of device room).
+   (which may only be shorter when the host-only part could not be loaded for lack of device room);
+5. at the end, with nothing leased and nothing in flight, the whole device can be reserved (also
+   with a host tier smaller than most nodes: pages leave by runs).
 
 KV is a pure function of the token prefix (a rolling hash of ``tokens[:t+1]`` per position, plus an
 offset per component/layer/head/dim, all exactly representable in float32), so two sequences with a
@@ -342,6 +344,11 @@ async def run_program(config: HiCacheConfig, pool: list[list[int]], ops: list[Op
                     await machine.held.pop().lease.__aexit__(None, None, None)
         await machine.check_step()
         assert cache.controller.tree.root.lock_ref == 1
+        # Nothing leased, nothing in flight: every page of the device can be had, however large
+        # the nodes are against the host (pages leave by runs).
+        async with cache.reserve(cache.controller.device.num_pages) as slots:
+            assert len(slots.pages) == cache.controller.device.num_pages
+        await machine.check_step()
 
 
 MAX_EXAMPLES = int(os.environ.get("HICACHE_STATE_MACHINE_EXAMPLES", "30"))
@@ -392,5 +399,35 @@ def test_configs_hold_the_intended_pages(overrides: dict[str, Any]) -> None:
 @given(program=program_strategy)
 def test_random_programs(overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]) -> None:
     config = make_config(DEVICE_PAGES, HOST_PAGES, **overrides)
+    pool, ops = program
+    anyio.run(run_program, config, pool, ops)
+
+
+SMALL_HOST_PAGES = 3  # smaller than most nodes: pages move between tiers by runs (split nodes)
+SMALL_HOST_CONFIGS = [
+    pytest.param({"policies": {"write": "write_through"}}, id="write_through"),
+    pytest.param({"policies": {"write": "write_back"}}, id="write_back"),
+    pytest.param(
+        {
+            "policies": {"write": "write_through", "prefetch": "wait_complete", "prefetch_threshold_tokens": 0},
+            "tiers": {"storage": [{"kind": "memory", "capacity": 64 * 2048}]},
+            "controller": {"storage_batch_bytes": 2 * 2048},
+        },
+        id="write_through-storage",
+    ),
+]
+
+
+@pytest.mark.parametrize("overrides", SMALL_HOST_CONFIGS)
+@settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(program=program_strategy)
+def test_random_programs_with_a_host_smaller_than_a_node(
+    overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]
+) -> None:
+    config = make_config(DEVICE_PAGES, SMALL_HOST_PAGES, **overrides)
     pool, ops = program
     anyio.run(run_program, config, pool, ops)

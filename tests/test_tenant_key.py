@@ -20,6 +20,7 @@ import torch
 
 from hicache import HiCache, HiCacheConfig, load_config
 from hicache.config import SECRET_MASK
+from hicache.containers import namespace_from_config
 from hicache.errors import ConfigError
 from hicache.keys import Namespace, TenantKey, as_token_bytes, chain_keys
 from hicache.tiers.base import KVGeometry
@@ -100,7 +101,7 @@ def test_a_forged_header_with_a_copied_namespace_fails_the_mac() -> None:
 def test_the_secret_shows_nowhere(caplog: pytest.LogCaptureFixture) -> None:
     config = make_config(8, 16, tenant_key=KEY_A)
     assert config.tenant_key is not None and config.tenant_key.get_secret_value() == KEY_A
-    ns = Namespace.from_config(config)
+    ns = namespace_from_config(config)
     texts = [repr(config), str(config), config.to_yaml(), repr(ns), str(ns), repr(ns.tenant_key), repr(codec_of(config))]
     assert all(KEY_A not in t for t in texts)
     assert f"tenant_key: '{SECRET_MASK}'" in config.to_yaml()

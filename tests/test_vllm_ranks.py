@@ -15,11 +15,11 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 from hicache import UnsupportedModelError
+from hicache.containers import namespace_from_config
 from hicache.integrations.vllm.channel import socket_path
 from hicache.integrations.vllm.ranks import RankChannels, agree_lookups
 from hicache.integrations.vllm.service import CacheService
 from hicache.integrations.vllm.settings import cache_config_for, worker_rank
-from hicache.keys import Namespace
 
 from .conftest import make_kv, make_tokens
 
@@ -49,16 +49,16 @@ def test_each_rank_gets_its_head_slice_and_the_replicas_first_rank_writes(tmp_pa
     tp2 = [cache_config_for(vllm_config("m", tp=2, rank=r, kv_heads=4), EXTRA) for r in range(2)]
     assert [(c.parallel.tp_rank, c.parallel.tp_size, c.parallel.total_kv_heads, c.model.num_kv_heads) for c in tp2] == [
         (0, 2, 4, 2), (1, 2, 4, 2)]
-    assert [Namespace.from_config(c).kv_head_range for c in tp2] == [(0, 2, 4), (2, 4, 4)]
+    assert [namespace_from_config(c).kv_head_range for c in tp2] == [(0, 2, 4), (2, 4, 4)]
     # 2 KV heads at TP 4: vLLM replicates each head on two ranks; the first of each pair writes.
-    tp4 = [Namespace.from_config(cache_config_for(vllm_config("m", tp=4, rank=r), EXTRA)) for r in range(4)]
+    tp4 = [namespace_from_config(cache_config_for(vllm_config("m", tp=4, rank=r), EXTRA)) for r in range(4)]
     assert [n.kv_head_range for n in tp4] == [(0, 1, 2), (0, 1, 2), (1, 2, 2), (1, 2, 2)]
     assert [n.writes_storage for n in tp4] == [True, False, True, False]
     assert tp4[0].digest == tp4[1].digest != tp4[2].digest
     # vLLM's global rank counts DP x PP x TP: the TP rank is the rank modulo tp_size.
     assert worker_rank(vllm_config("m", tp=2, rank=5)) == 1
     # A single rank is the whole model, in the namespace it always had.
-    single = Namespace.from_config(cache_config_for(vllm_config("m"), EXTRA))
+    single = namespace_from_config(cache_config_for(vllm_config("m"), EXTRA))
     assert single.kv_head_range == (0, 2, 2) and single.writes_storage
 
 

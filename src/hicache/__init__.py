@@ -1,7 +1,8 @@
 """hicache: a hierarchical KV cache (device, host and storage tiers) for LLM inference engines."""
 
 from .cache import HiCache, Hit, StoreResult
-from .config import HiCacheConfig, load_config
+from .config import HiCacheConfig
+from .containers import load_config  # the composition root: resolves storage kinds, installs from_config
 from .controller.prefetch import Prefetch
 from .errors import (
     CacheClosedError,

@@ -20,16 +20,17 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import torch
 
-from .config import StorageTierConfig, storage_entry
+from .config import StorageTierConfig
+from .controller.loadback import bring_up
 from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
 from .leases import HeldPrefix, Lease, RetrieveView, SlotReservation
-from .radix_tree import Pin, TreeNode
+from .radix_tree import Pin
 from .stats import CacheStats, TierStats
 
 if TYPE_CHECKING:
@@ -71,6 +72,10 @@ class StoreResult:
 class HiCache(anyio.AsyncContextManagerMixin):
     """A hierarchical KV cache: device and host tiers under one radix index."""
 
+    #: What ``from_config`` builds with: the composition root's ``containers.build_cache``, which it
+    #: installs as ``hicache`` is imported (this module never imports the composition root).
+    _builder: ClassVar[Callable[[HiCacheConfig], HiCache] | None] = None
+
     def __init__(
         self,
         config: HiCacheConfig,
@@ -78,11 +83,13 @@ class HiCache(anyio.AsyncContextManagerMixin):
         namespace: Namespace,
         *,
         build_storage_tier: Callable[[StorageTierConfig], StorageTier] | None = None,
+        check_storage_entry: Callable[..., StorageTierConfig] | None = None,
     ) -> None:
         self.config = config
         self.controller = controller
         self.namespace = namespace
         self._build_storage_tier = build_storage_tier
+        self._check_storage_entry = check_storage_entry
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop the cache runs on, while open
         g = controller.device.geometry
         self._geometry = g
@@ -92,9 +99,14 @@ class HiCache(anyio.AsyncContextManagerMixin):
     @classmethod
     def from_config(cls, config: HiCacheConfig) -> HiCache:
         """Build a cache and all its parts from a config (through the composition root)."""
-        from .containers import Container
+        if HiCache._builder is None:  # pragma: no cover - `import hicache` installs it
+            raise RuntimeError("no composition root installed: import hicache (hicache.containers)")
+        return HiCache._builder(config)
 
-        return Container(config=config).cache()
+    @staticmethod
+    def install_builder(build: Callable[[HiCacheConfig], HiCache]) -> None:
+        """Set what ``from_config`` builds with (the composition root does, once)."""
+        HiCache._builder = build
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[HiCache]:
@@ -196,7 +208,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
         the KV of ``tokens[start:]``. An engine that retrieved a prefix passes ``start=view.tokens``
         and only the KV it computed; ``start`` is a multiple of ``page_size``, and pages after a gap
         (``tokens[:start]`` no longer cached) cannot be attached and are dropped.
-        New pages go to the device tier, and to the host tier when the device cannot make room.
+        Where the new pages go and which copies they are owed is the controller's decision
+        (``controller/placement.py``, ``controller/residency.py``): this validates, calls, reports.
         """
         ctl = self.controller
         ctl.check_open()
@@ -209,67 +222,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
             )
         self._check_kv(kv, num_tokens - start)
         _check_priority(priority)
-        ctl.counters.stores += 1
-        full = num_tokens // ps
-        match = ctl.tree.match(tb)
-        if match.pages >= full:
-            self._touch(match.path)
-            return StoreResult(0, full * ps)
-        if match.pages * ps < start:
-            # tokens[match:start] are neither cached nor given: later pages have nothing to attach to.
-            dropped = full - start // ps
-            ctl.counters.dropped_pages += dropped
-            return StoreResult(0, match.pages * ps, dropped * ps)
-        first, need = match.pages, full - match.pages
-        pin = Pin(match.path[-1]) if match.path else None
-        try:
-            # Device residency is prefix-closed: pages after a host-only prefix go to host.
-            parent_on_device = not match.path or match.path[-1].device is not None
-            dev = await ctl.evictor.alloc_device(need, partial=True) if parent_on_device else []
-            try:
-                host = await ctl.evictor.alloc_host(need - len(dev), partial=True)
-            except BaseException:
-                ctl.device.allocator.free(dev)
-                raise
-            with ctl.publishing():
-                try:
-                    await anyio.to_thread.run_sync(
-                        self._write_user_pages, kv, first - start // ps, dev, host, limiter=ctl.limiter
-                    )
-                except BaseException:
-                    ctl.device.allocator.free(dev)
-                    ctl.host.allocator.free(host)
-                    raise
-                inserted = ctl.insert_pages(tb, first, dev, host, priority)
-            # The prefix may have left the device meanwhile: then our device pages move to the host.
-            placed = await ctl.place_unplaced(tb, inserted, priority)
-        finally:
-            if pin is not None:
-                pin.release()
-        nodes = placed.nodes
-        stored = placed.stored
-        dropped = need - stored - placed.duplicates
-        ctl.counters.stored_pages += stored
-        ctl.counters.dropped_pages += dropped
-        ctl.counters.bytes_moved["user_to_device"] += len(dev) * self._geometry.page_bytes
-        ctl.counters.bytes_moved["user_to_host"] += len(host) * self._geometry.page_bytes
-        ctl.kick_eviction()
-        await self._backup_new(nodes)
-        return StoreResult(stored * ps, (first + placed.duplicates) * ps, dropped * ps)
-
-    def _write_user_pages(self, kv: torch.Tensor, first: int, dev: list[int], host: list[int]) -> None:
-        engine = self.controller.engine
-        engine.user_to_pool(kv, first, self.controller.device, dev)
-        engine.user_to_pool(kv, first + len(dev), self.controller.host, host)
-
-    async def _backup_new(self, nodes: list[TreeNode]) -> None:
-        ctl = self.controller
-        for node in nodes:
-            if node.device is not None:
-                if ctl.write_policy.backup_on_insert(node):
-                    await ctl.submit_backup(node)  # its storage write follows the host copy
-            else:
-                await ctl.host_copy_made(node)  # placed on the host directly (device full)
+        placed = await ctl.store(tb, kv, start=start, priority=priority)
+        return StoreResult(placed.stored * ps, placed.cached * ps, placed.dropped * ps)
 
     # -- retrieve -------------------------------------------------------------------------------
 
@@ -277,7 +231,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
         """Lease the longest cached prefix of ``tokens`` on the device tier.
 
         ``async with cache.retrieve(tokens) as view``: the prefix is pinned until the block exits;
-        pages found only on the host are loaded back layer by layer (see ``RetrieveView``).
+        pages found only on the host are loaded back layer by layer (see ``RetrieveView``). A
+        prefix larger than the host tier can hold (or pin) comes up by runs: a run is loaded to
+        the device, its host pages may go, the next run follows (from the host or from storage).
         """
         self.controller.check_open()
         tb = as_token_bytes(tokens)
@@ -290,42 +246,19 @@ class HiCache(anyio.AsyncContextManagerMixin):
         num_tokens = len(tb) // TOKEN_BYTES
         started = time.perf_counter()
         ctl.counters.retrieves += 1
-        # Pages that only storage holds arrive in host memory first (as the prefetch policy allows).
-        await ctl.prefetcher.before_retrieve(tb)
-        path = ctl.tree.match(tb, split=True).path
-        pin = Pin(path[-1]) if path else None
-        loaded = 0
-        from_storage: dict[str, int] = {}
+        brought = await bring_up(ctl, tb)
+        path, pin, jobs, loaded, from_storage = (
+            brought.path, brought.pin, brought.jobs, brought.loaded, brought.from_storage,
+        )
         try:
-            jobs: list[LoadJob] = []
-            host_only = [nd for nd in path if nd.device is None]
-            if host_only:
-                dev = await ctl.evictor.alloc_device(sum(nd.num_pages for nd in host_only), partial=True)
-                # While we awaited, other calls may have split nodes of the path or started loading
-                # some of them; the pin kept them all, so re-derive the path from its deepest node.
-                path = ctl.tree.path_to(path[-1])
-                host_only = [nd for nd in path if nd.device is None]
-                path, host_only, dev = self._fit_load(path, host_only, dev)
-                if pin is not None and (not path or path[-1] is not pin.node):
-                    old, pin = pin, (Pin(path[-1]) if path else None)
-                    old.release()
-                if host_only:
-                    loaded = len(dev)
-                    from_storage = self._take_sources(host_only)
-                    jobs.append(await ctl.submit_load(host_only, dev, path[-1]))
-                    # Awaiting the queue let other calls split nodes again: re-derive once more.
-                    path = ctl.tree.path_to(pin.node if pin is not None else None)
             for job in {id(nd.loading): nd.loading for nd in path if nd.loading is not None}.values():
                 if job not in jobs:
                     jobs.append(job)
-            self._touch(path)
+            ctl.tree.touch(path)
             # Fixed now: the pages are pinned, so later splits cannot change what the view holds.
             hit_pages = sum(nd.num_pages for nd in path)
             device_pages = [p for nd in path for p in (nd.device or [])]
-            for node in path:
-                if ctl.write_policy.backup_on_hit(node):
-                    await ctl.submit_backup(node, wait=False)
-                await ctl.host_copy_made(node, wait=False)  # selective write-through reaches storage when hot
+            await ctl.owe_copies(path, hit=True, wait=False)  # selective write-through: copies once hot
         except BaseException:
             if pin is not None:
                 pin.release()
@@ -374,55 +307,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
         for job in waiting:
             job.watchers.append(watcher(job))
 
-    def _fit_load(
-        self, path: list[TreeNode], host_only: list[TreeNode], dev: list[int]
-    ) -> tuple[list[TreeNode], list[TreeNode], list[int]]:
-        """Trim the host-only tail of ``path`` to the device pages we got; free the surplus."""
-        need = sum(nd.num_pages for nd in host_only)
-        ctl = self.controller
-        if len(dev) >= need:
-            ctl.device.allocator.free(dev[need:])
-            return path, host_only, dev[:need]
-        # The device is full of leased pages: serve a shorter prefix, and say so.
-        ctl.counters.short_retrieves += 1
-        ctl.counters.short_retrieve_tokens += (need - len(dev)) * self._page_size
-        kept: list[TreeNode] = []
-        room = len(dev)
-        for node in host_only:
-            if room >= node.num_pages:
-                kept.append(node)
-                room -= node.num_pages
-                continue
-            if room > 0:
-                kept.append(ctl.tree.split(node, room))  # load the prefix that fits
-                room = 0
-            break
-        cut = path.index(host_only[0])
-        path = path[:cut] + kept
-        used = sum(nd.num_pages for nd in kept)
-        ctl.device.allocator.free(dev[used:])
-        return path, kept, dev[:used]
-
     def _read_layer(self, device_pages: list[int], layer: int) -> tuple[torch.Tensor, ...]:
         self.controller.check_open()  # the pool is gone once the cache is closed
         out = self.controller.engine.device_layer(device_pages, layer)
         self.controller.counters.bytes_moved["device_to_user"] += sum(t.numel() * t.element_size() for t in out)
-        return out
-
-    def _touch(self, path: list[TreeNode]) -> None:
-        now = time.monotonic()
-        for node in path:
-            node.hit_count += 1
-            node.last_access = now
-
-    @staticmethod
-    def _take_sources(loaded: list[TreeNode]) -> dict[str, int]:
-        """Pages among ``loaded`` that a prefetch brought from storage, by tier (counted once)."""
-        out: dict[str, int] = {}
-        for node in loaded:
-            if node.source is not None:
-                out[node.source] = out.get(node.source, 0) + node.num_pages
-                node.source = None
         return out
 
     def _count_retrieve(self, num_tokens: int, by_tier: Mapping[str, int]) -> None:
@@ -446,7 +334,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
         ``tier="host"``: pages of the host tier, for an engine whose own KV memory plays the device
         tier's part and copies its pages out itself (the vLLM connector); committed, they join the
-        index as host pages, backed up to storage as the write policy says.
+        index as host pages, owed to storage as the residency rule says.
         """
         self.controller.check_open()
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 0:
@@ -476,18 +364,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
             raise InvalidRequestError(f"first_page must be a non-negative int, got {first_page!r}")
         _check_priority(priority)
         # Validated: from here the pages belong to the cache (published, or freed by the index).
-        pages = reservation.hand_over()
         on_host = reservation.tier is ctl.host
-        inserted = ctl.insert_pages(tb, first_page, [] if on_host else pages, pages if on_host else [], priority)
-        placed = await ctl.place_unplaced(tb, inserted, priority)
-        stored = placed.stored
-        ctl.counters.stored_pages += stored
-        ctl.counters.dropped_pages += placed.dropped
-        if on_host:
-            ctl.counters.bytes_moved["user_to_host"] += stored * self._geometry.page_bytes
-        ctl.kick_eviction()
-        await self._backup_new(placed.nodes)
-        return stored * self._page_size
+        placed = await ctl.commit(tb, first_page, reservation.hand_over(), priority, on_host=on_host)
+        return placed.stored * self._page_size
 
     # -- holding a prefix in place ----------------------------------------------------------------
 
@@ -497,9 +376,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
         For an engine that copies KV into its own memory itself: unlike ``retrieve``, nothing is
         loaded to the device tier (no device room is needed, so a prefix as long as the host tier
         holds is never cut short for want of it). Pages that only storage holds arrive in host
-        memory first, as ``retrieve`` brings them (the prefetch policy's wait). ``start`` (a
-        multiple of ``page_size``): tokens the caller holds already; only the pages after it are
-        listed and counted as hits, and a prefix that ends before it holds nothing.
+        memory first, as the prefetch policy's wait allows. ``start`` (a multiple of
+        ``page_size``): tokens the caller holds already; only the pages after it are listed and
+        counted as hits, and a prefix that ends before it holds nothing.
         """
         self.controller.check_open()
         tb = as_token_bytes(tokens)
@@ -515,7 +394,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ps = self._page_size
         started = time.perf_counter()
         ctl.counters.retrieves += 1
-        await ctl.prefetcher.before_retrieve(tb)  # storage pages arrive in host memory first
+        # Storage pages arrive in host memory first; what the host could not take stays a miss.
+        await ctl.prefetcher.before_retrieve(tb)
         path = ctl.tree.match(tb, split=True).path
         first = start // ps
         hit_pages = sum(nd.num_pages for nd in path)
@@ -548,11 +428,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
             pos += node.num_pages
         held = path if pin is not None else []
         try:
-            self._touch(held)
-            for node in held:
-                if ctl.write_policy.backup_on_hit(node):
-                    await ctl.submit_backup(node, wait=False)
-                await ctl.host_copy_made(node, wait=False)  # selective write-through reaches storage when hot
+            ctl.tree.touch(held)
+            await ctl.owe_copies(held, hit=True, wait=False)  # selective write-through: copies once hot
         except BaseException:
             if pin is not None:
                 pin.release()
@@ -631,14 +508,14 @@ class HiCache(anyio.AsyncContextManagerMixin):
         and its settings read nothing from this process's environment (``config.REQUEST_CONTEXT``).
         """
         self.controller.check_open()
-        if self._build_storage_tier is None:
+        if self._build_storage_tier is None or self._check_storage_entry is None:
             raise ConfigError("this cache was not built by HiCache.from_config: it cannot build storage tiers")
         if isinstance(entry, StorageTierConfig):
             if from_request:
                 raise ConfigError("attach_storage: an entry from a request is a mapping, validated here")
             validated = entry
         else:
-            validated = storage_entry(entry, "attach_storage", from_request=from_request)
+            validated = self._check_storage_entry(entry, "attach_storage", from_request=from_request)
         change = await self.controller.attach_storage(self._build_storage_tier(validated), position)
         storage = list(self.config.tiers.storage)
         storage.insert(change.position, validated)

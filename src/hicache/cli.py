@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         demo_main(argv[1:])
         return 0
     args = parser.parse_args(argv)
-    from .config import load_config
+    from .containers import load_config
 
     try:
         print(load_config(args.path).to_yaml(), end="")

@@ -1,7 +1,7 @@
 """Typed, validated configuration for a hicache instance.
 
 One frozen ``HiCacheConfig`` describes the model geometry, the tiers and the policies, so every
-component reads the same numbers and nothing changes under a running cache. ``load_config``
+component reads the same numbers and nothing changes under a running cache. ``read_config``
 layers (later wins, nested mappings deep-merged, lists replaced whole):
 
 1. the defaults of the models below,
@@ -14,6 +14,13 @@ environment variable or overrides) and names each offending field as a dotted pa
 (``tenant_key``, a backend's passwords, the password inside a URL) never appear in an error, a
 repr or a dump. The YAML reader bounds its work (nesting depth, alias expansion, file size), so a
 hostile file is a ``ConfigError``, never a hang or a ``RecursionError``.
+
+This module describes; it imports no tier. A storage tier's ``kind`` names a backend whose own
+settings this module does not know: they are checked by a ``BackendSettingsResolver`` the caller
+passes (``backends=``). ``hicache.load_config`` (``containers.load_config``, the composition root)
+passes the one that resolves kinds to backend classes, so a typo in a backend's settings is still a
+``ConfigError`` when the config loads; without a resolver an entry's other keys are kept as given
+and checked when the composition root builds the tier.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import re
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -34,6 +41,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    PrivateAttr,
     SecretStr,
     ValidationError,
     ValidationInfo,
@@ -52,10 +60,10 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "ENV_PREFIX", "SECRET_MASK", "ByteSize", "CodecConfig", "ControllerConfig", "DeviceTierConfig", "HiCacheConfig",
-    "HostTierConfig", "IOConfig", "LoggingConfig", "ModelConfig", "ParallelConfig", "PoliciesConfig",
-    "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
-    "format_size", "load_config", "mask_url", "parse_size", "storage_entry",
+    "ENV_PREFIX", "SECRET_MASK", "BackendSettingsResolver", "ByteSize", "CodecConfig", "ControllerConfig",
+    "DeviceTierConfig", "HiCacheConfig", "HostTierConfig", "IOConfig", "LoggingConfig", "ModelConfig",
+    "ParallelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
+    "format_size", "mask_url", "parse_size", "read_config", "storage_entry",
 ]
 
 ENV_PREFIX = "HICACHE_"
@@ -220,9 +228,10 @@ _CODEC_OPTIONS: dict[str, set[str]] = {"int8": set(), "lossless": {"coder", "lev
 
 
 class CodecConfig(BaseModel):
-    """One stage of a storage tier's ``codec`` list (README "Storage tiers: codecs").
+    """One stage of a storage tier's ``codec`` list (docs/codecs.md).
 
-    Written as a name (``lossless``) or a mapping (``{kind: aes-gcm, key: ${PAGE_KEY}}``):
+    Written as a name (``lossless``) or a mapping (``{kind: aes-gcm, key: "${PAGE_KEY}"}``; in a YAML
+    flow mapping the ``${...}`` must be quoted):
 
     * ``int8``: 8-bit KV, K scaled per channel and V per token (lossy: its pages are another namespace);
     * ``lossless``: byte-shuffle + ``coder`` (``zstd`` at ``level``, or ``lz4``), from blosc2;
@@ -273,16 +282,32 @@ class CodecConfig(BaseModel):
         return data
 
 
+class BackendSettingsResolver(Protocol):
+    """What a storage ``kind`` names, as far as validation needs: the backend's ``Settings`` model.
+
+    Raises ``ConfigError`` for a kind it cannot resolve; ``class_paths=False`` (an entry from a
+    request) must refuse a class path before importing anything. The composition root's is
+    ``containers.backend_settings``.
+    """
+
+    def __call__(self, kind: str, *, class_paths: bool = True) -> type[BaseModel]: ...
+
+
 class StorageTierConfig(BaseModel):
     """One storage tier below the host pool: ``kind`` picks the backend, the other keys configure it.
 
     ``kind`` is a built-in (``memory``, ``file``), the name of an installed plugin (entry-point group
-    ``hicache.storage``) or a class path ``package.module:ClassName``. Every other key is validated
-    against that backend's ``Settings``, so a typo is an error naming the field. An entry that came
-    in a request is validated with ``REQUEST_CONTEXT`` (see ``storage_entry``).
+    ``hicache.storage``) or a class path ``package.module:ClassName``. Validated with a resolver
+    (``backends=``, as ``hicache.load_config`` does), every other key is checked against that
+    backend's ``Settings``, so a typo is an error naming the field. An entry that came in a request
+    is validated with ``REQUEST_CONTEXT`` (see ``storage_entry``).
     """
 
     model_config = ConfigDict(extra="allow", frozen=True, hide_input_in_errors=True)
+
+    #: The backend's secret settings (its ``SecretStr`` fields), learnt from the resolver; ``None``
+    #: when validated without one (then settings named like secrets are masked).
+    _secrets: frozenset[str] | None = PrivateAttr(default=None)
 
     kind: str = Field(min_length=1)
     name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]+$")
@@ -307,20 +332,32 @@ class StorageTierConfig(BaseModel):
 
     @model_validator(mode="after")
     def _backend_settings(self, info: ValidationInfo) -> StorageTierConfig:
-        from .tiers.storage.registry import resolve_backend  # lazy: plugins load only when configured
-
-        context = info.context or {}
+        context = dict(info.context or {})
+        backends: BackendSettingsResolver | None = context.pop("backends", None)
+        if backends is None:
+            return self  # described only: the composition root checks the settings when it builds the tier
         try:
-            backend = resolve_backend(self.kind, class_paths=context.get("class_paths", True))
+            settings = backends(self.kind, class_paths=context.get("class_paths", True))
         except ConfigError as exc:
             raise _field_error("kind", str(exc)) from None
         try:
-            backend.Settings.model_validate(self.model_extra or {}, context=context or None)
+            settings.model_validate(self.model_extra or {}, context=context or None)
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
-            loc, message = _describe(err, secret=_is_secret(backend.Settings, tuple(err["loc"])))
+            loc, message = _describe(err, secret=_is_secret(settings, tuple(err["loc"])))
             raise _field_error(dotted(loc), message) from None
+        self._secrets = frozenset(
+            name
+            for name, field in settings.model_fields.items()
+            if field.annotation is SecretStr or SecretStr in get_args(field.annotation)
+        )
         return self
+
+    def __eq__(self, other: object) -> bool:
+        """Equal when they say the same: whether a resolver checked them does not change that."""
+        if not isinstance(other, StorageTierConfig):
+            return NotImplemented
+        return (self.__dict__, self.__pydantic_extra__) == (other.__dict__, other.__pydantic_extra__)
 
     @model_serializer(mode="wrap")
     def _hide_secrets(self, handler: Any) -> Any:
@@ -347,17 +384,9 @@ class StorageTierConfig(BaseModel):
             yield name, value
 
     def _secret_fields(self) -> set[str]:
-        from .tiers.storage.registry import resolve_backend
-
-        try:
-            settings = resolve_backend(self.kind).Settings
-        except ConfigError:
-            return set()
-        return {
-            name
-            for name, field in settings.model_fields.items()
-            if field.annotation is SecretStr or SecretStr in get_args(field.annotation)
-        }
+        if self._secrets is not None:
+            return set(self._secrets)
+        return {name for name in self.model_extra or {} if SECRET_NAME.search(name)}
 
     @property
     def tier_name(self) -> str:
@@ -452,7 +481,7 @@ class ControllerConfig(BaseModel):
 
 
 class LoggingConfig(BaseModel):
-    """How hicache logs (README: "Operating hicache"); by default it leaves logging to the application."""
+    """How hicache logs (docs/operating.md, "Logs"); by default it leaves logging to the application."""
 
     model_config = _FROZEN
 
@@ -503,8 +532,8 @@ class HiCacheConfig(BaseModel):
     model: ModelConfig = Field(default_factory=ModelConfig)
     page_size: _Int = Field(default=64, ge=1, le=MAX_PAGE_SIZE)
     tenant_salt: str = ""
-    #: The tenant's secret: keys page names and a MAC over every page in storage (see the README's
-    #: "Security model"). Empty or unset: no key (pages carry an unkeyed checksum, integrity only).
+    #: The tenant's secret: keys page names and a MAC over every page in storage (see
+    #: docs/security.md). Empty or unset: no key (pages carry an unkeyed checksum, integrity only).
     tenant_key: SecretStr | None = None
     tiers: TiersConfig = Field(default_factory=TiersConfig)
     policies: PoliciesConfig = Field(default_factory=PoliciesConfig)
@@ -606,22 +635,25 @@ class HiCacheConfig(BaseModel):
         return self
 
     def to_yaml(self) -> str:
-        """Dump as YAML that ``load_config`` reads back to an equal config."""
+        """Dump as YAML that ``read_config`` (and ``hicache.load_config``) reads back to an equal config."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(
+def read_config(
     path: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, Any] | None = None,
     *,
     env: Mapping[str, str] | None = None,
+    backends: BackendSettingsResolver | None = None,
 ) -> HiCacheConfig:
     """Build a config from defaults, ``path``, ``HICACHE_*`` variables in ``env``, ``overrides``.
 
     ``env`` defaults to ``os.environ``; pass a mapping to keep loading independent of the process.
+    ``backends`` checks each storage tier's backend settings (see the module docstring): what
+    ``hicache.load_config`` passes. Without it they are checked when the tier is built.
     """
     environ = os.environ if env is None else env
     source = None if path is None else os.fspath(path)
@@ -641,7 +673,7 @@ def load_config(
     except RecursionError:  # a self-referencing mapping passed as overrides
         raise ConfigError("the settings nest too deeply (a mapping that contains itself?)") from None
     try:
-        return HiCacheConfig.model_validate(data)
+        return HiCacheConfig.model_validate(data, context=None if backends is None else {"backends": backends})
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):
@@ -664,16 +696,26 @@ REQUEST_CONTEXT: Mapping[str, Any] = MappingProxyType({"class_paths": False, "en
 
 
 def storage_entry(
-    entry: Mapping[str, Any], where: str = "storage entry", *, from_request: bool = False
+    entry: Mapping[str, Any],
+    where: str = "storage entry",
+    *,
+    from_request: bool = False,
+    backends: BackendSettingsResolver | None = None,
 ) -> StorageTierConfig:
-    """Validate one ``tiers.storage`` item (a dict, as in YAML) as ``load_config`` would: a
+    """Validate one ``tiers.storage`` item (a dict, as in YAML) as ``read_config`` would: a
     ``ConfigError`` naming ``where`` and the field, secrets never shown. No ``${VAR}`` expansion:
     the caller passes values, not a file. ``from_request``: the entry came from outside the process
-    (``REQUEST_CONTEXT``)."""
+    (``REQUEST_CONTEXT``). ``backends``: as for ``read_config``."""
+    if from_request and backends is None:
+        # Its kind must be resolved here, with class paths refused: nothing may import one later.
+        raise TypeError("storage_entry(from_request=True) needs the resolver (backends=)")
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: expected a mapping like {{kind: file, path: ...}}, got {type(entry).__name__}")
+    context: dict[str, Any] = dict(REQUEST_CONTEXT) if from_request else {}
+    if backends is not None:
+        context["backends"] = backends
     try:
-        return StorageTierConfig.model_validate(dict(entry), context=dict(REQUEST_CONTEXT) if from_request else None)
+        return StorageTierConfig.model_validate(dict(entry), context=context or None)
     except ValidationError as exc:
         lines = []
         for err in exc.errors(include_url=False):

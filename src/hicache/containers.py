@@ -4,25 +4,33 @@ Every component takes plain typed arguments; only this module imports dependency
 kinds and io backends are chosen with ``Selector`` providers keyed by the config, so adding a kind
 is one line here. Tests swap any part with ``container.<provider>.override(...)``.
 
-Singletons are per container instance, and ``HiCache.from_config`` makes a new container each
-time, so two caches never share a pool.
+The config describes, this module builds: it resolves each storage tier's ``kind`` to a backend
+class and checks the backend's settings (``backend_settings``, passed to ``config.read_config`` by
+``load_config``, which is ``hicache.load_config``), and reads the namespace out of the config
+(``namespace_from_config``). ``build_cache`` is ``HiCache.from_config``: installed on the facade
+here, so ``cache.py`` never imports this module. Singletons are per container instance, and
+``build_cache`` makes a new container each time, so two caches never share a pool.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+from collections.abc import Mapping
+from typing import Any
 
 from dependency_injector import containers, providers
 
 from .cache import HiCache
-from .config import HiCacheConfig, StorageTierConfig
+from .config import HiCacheConfig, StorageTierConfig, read_config
+from .config import storage_entry as described_storage_entry
 from .controller.controller import CacheController
 from .errors import ConfigError
 from .io.direct import DirectIOBackend
 from .io.kernel import KernelIOBackend
 from .io.transfer import TransferEngine
-from .keys import Namespace
+from .keys import Namespace, TenantKey
 from .policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
 from .policies.prefetch import BestEffort, Timeout, WaitComplete
 from .policies.write import WriteBack, WriteThrough, WriteThroughSelective
@@ -30,15 +38,62 @@ from .radix_tree import HiRadixTree
 from .tiers.base import KVGeometry
 from .tiers.device import DevicePool
 from .tiers.host import HostPool
-from .tiers.storage.base import StorageBackend
+from .tiers.storage.base import BackendSettings, StorageBackend
 from .tiers.storage.page_format import PageCodec
 from .tiers.storage.registry import resolve_backend
 from .tiers.storage.tier import StorageTier
 
 __all__ = [
-    "Container", "geometry_from_config", "inspection_target", "page_codec_from_config", "storage_tier_from_entry",
+    "Container", "backend_settings", "build_cache", "geometry_from_config", "inspection_target", "load_config",
+    "namespace_from_config", "page_codec_from_config", "storage_entry", "storage_tier_from_entry",
     "storage_tiers_from_config", "tier_page_codec",
 ]
+
+
+def backend_settings(kind: str, *, class_paths: bool = True) -> type[BackendSettings]:
+    """The ``Settings`` of the backend ``kind`` names (``config.BackendSettingsResolver``); a
+    ``ConfigError`` when it names none. ``class_paths=False``: built-ins and plugins only."""
+    return resolve_backend(kind, class_paths=class_paths).Settings
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> HiCacheConfig:
+    """``hicache.load_config``: ``config.read_config`` with each storage tier's backend resolved and
+    its settings checked, so a bad kind or setting is a ``ConfigError`` when the config loads."""
+    return read_config(path, overrides, env=env, backends=backend_settings)
+
+
+def storage_entry(entry: Mapping[str, Any], where: str = "storage entry", *, from_request: bool = False) -> StorageTierConfig:
+    """One ``tiers.storage`` item validated as ``load_config`` validates it (``config.storage_entry``
+    with this module's resolver): what ``HiCache.attach_storage`` checks an entry with."""
+    return described_storage_entry(entry, where, from_request=from_request, backends=backend_settings)
+
+
+def namespace_from_config(config: HiCacheConfig) -> Namespace:
+    """The namespace a config's pages live in: model identity, geometry, page size, tenant, rank slice."""
+    m, p = config.model, config.parallel
+    return Namespace(
+        model=m.name,
+        revision=m.revision,
+        attention=m.attention,
+        num_layers=m.num_layers,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        dtype=m.dtype,
+        page_size=config.page_size,
+        tenant_salt=config.tenant_salt,
+        tenant_key=None if config.tenant_key is None else TenantKey(config.tenant_key.get_secret_value()),
+        tp_rank=p.tp_rank,
+        tp_size=p.tp_size,
+        pp_rank=p.pp_rank,
+        pp_size=p.pp_size,
+        first_layer=p.pp_rank * m.num_layers if p.first_layer is None else p.first_layer,
+        total_kv_heads=p.total_kv_heads,
+    )
 
 
 def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
@@ -97,7 +152,7 @@ def storage_tiers_from_config(config: HiCacheConfig, codec: PageCodec, host: Hos
 
 
 def page_codec_from_config(config: HiCacheConfig) -> PageCodec:
-    namespace = Namespace.from_config(config)
+    namespace = namespace_from_config(config)
     return PageCodec(namespace=namespace.digest, geometry=geometry_from_config(config), tenant_key=namespace.tenant_key)
 
 
@@ -126,7 +181,7 @@ class Container(containers.DeclarativeContainer):
     config = providers.Dependency(instance_of=HiCacheConfig)
 
     geometry = providers.Singleton(geometry_from_config, config)
-    namespace = providers.Singleton(Namespace.from_config, config)
+    namespace = providers.Singleton(namespace_from_config, config)
     tree = providers.Singleton(
         HiRadixTree,
         page_size=config.provided.page_size,
@@ -217,4 +272,15 @@ class Container(containers.DeclarativeContainer):
         writes_storage=namespace.provided.writes_storage,
     )
 
-    cache = providers.Singleton(HiCache, config, controller, namespace, build_storage_tier=storage_tier_builder)
+    cache = providers.Singleton(
+        HiCache, config, controller, namespace, build_storage_tier=storage_tier_builder,
+        check_storage_entry=providers.Object(storage_entry),
+    )
+
+
+def build_cache(config: HiCacheConfig) -> HiCache:
+    """A cache and all its parts, built from ``config`` by a new container: ``HiCache.from_config``."""
+    return Container(config=config).cache()
+
+
+HiCache.install_builder(build_cache)

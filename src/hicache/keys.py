@@ -28,12 +28,9 @@ import hmac
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import InvalidTokensError
-
-if TYPE_CHECKING:
-    from .config import HiCacheConfig
 
 __all__ = [
     "Namespace", "TenantKey", "TokenBytes", "as_token_bytes", "chain_keys", "external_page_keys", "variant_digest",
@@ -86,7 +83,10 @@ class TenantKey:
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that must match for two pages to be interchangeable."""
+    """Everything that must match for two pages to be interchangeable.
+
+    Plain values: the composition root reads them from the config (``containers.namespace_from_config``).
+    """
 
     model: str
     revision: str
@@ -105,28 +105,6 @@ class Namespace:
     pp_size: int = 1
     first_layer: int = 0  # the model layer this stage's first layer is
     total_kv_heads: int | None = None  # over all TP ranks; None: num_kv_heads * tp_size
-
-    @classmethod
-    def from_config(cls, config: HiCacheConfig) -> Namespace:
-        m, p = config.model, config.parallel
-        return cls(
-            model=m.name,
-            revision=m.revision,
-            attention=m.attention,
-            num_layers=m.num_layers,
-            num_kv_heads=m.num_kv_heads,
-            head_dim=m.head_dim,
-            dtype=m.dtype,
-            page_size=config.page_size,
-            tenant_salt=config.tenant_salt,
-            tenant_key=None if config.tenant_key is None else TenantKey(config.tenant_key.get_secret_value()),
-            tp_rank=p.tp_rank,
-            tp_size=p.tp_size,
-            pp_rank=p.pp_rank,
-            pp_size=p.pp_size,
-            first_layer=p.pp_rank * m.num_layers if p.first_layer is None else p.first_layer,
-            total_kv_heads=p.total_kv_heads,
-        )
 
     @property
     def kv_head_range(self) -> tuple[int, int, int] | None:

@@ -6,7 +6,7 @@ application sets levels per component with the standard ``logging`` module. hica
 handler unless the config's ``logging.format`` asks for one (``configure``): a library leaves
 logging to its application.
 
-What is logged at each level (the README's "Operating hicache" has the full list):
+What is logged at each level (docs/operating.md, "Logs", has the full list):
 
 * ``ERROR``: a background worker failed and the cache is unusable (``WorkerFailedError`` follows).
 * ``WARNING``: something an operator should act on, each naming the tier and the numbers: a storage

@@ -315,6 +315,13 @@ class HiRadixTree:
             node.marks |= CHANGED
             self.changed.append(node)
 
+    def touch(self, path: Iterable[TreeNode]) -> None:
+        """A hit on ``path``: each node's hit count and last access (what eviction policies order by)."""
+        now = time.monotonic()
+        for node in path:
+            node.hit_count += 1
+            node.last_access = now
+
     def take_changed(self) -> list[TreeNode]:
         """The nodes noted since the last call (their ``CHANGED`` mark cleared)."""
         changed, self.changed = self.changed, []

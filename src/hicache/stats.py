@@ -12,14 +12,10 @@ import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .tiers.storage.base import StorageBackendStats
 
 __all__ = [
     "CacheStats", "CodecStats", "Counters", "HistogramSnapshot", "LATENCY_BUCKETS_S", "LATENCIES", "LatencyHistogram",
-    "StorageTierStats", "TierStats", "TRANSFER_DIRECTIONS",
+    "StorageBackendStats", "StorageTierStats", "TierStats", "TRANSFER_DIRECTIONS",
 ]
 
 TRANSFER_DIRECTIONS = (
@@ -102,6 +98,33 @@ class TierStats:
     @property
     def used_bytes(self) -> int:
         return self.used_pages * self.page_bytes
+
+
+@dataclass(frozen=True)
+class StorageBackendStats:
+    """A snapshot of one storage backend's traffic and health (``StorageBackend.stats()``).
+
+    ``errors`` and ``timeouts`` count failed calls (the cache turned each into a miss or an unrecorded
+    write). ``used_bytes``/``capacity_bytes``/``stored_pages`` are ``None`` where the backend cannot tell.
+    """
+
+    kind: str
+    calls: MappingProxyType[str, int]
+    pages_read: int
+    pages_written: int
+    bytes_read: int
+    bytes_written: int
+    errors: int
+    timeouts: int
+    seconds: MappingProxyType[str, float]  # time spent in each verb
+    used_bytes: int | None
+    capacity_bytes: int | None
+    stored_pages: int | None
+    evicted_pages: int
+    corrupt_pages: int  # pages that failed verification (truncated, foreign, bad checksum): misses
+    latencies: MappingProxyType[str, HistogramSnapshot] = field(  # seconds per call, per verb
+        default_factory=lambda: MappingProxyType({})
+    )
 
 
 @dataclass(frozen=True)

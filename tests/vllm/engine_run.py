@@ -58,9 +58,13 @@ def _generate(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0)
+    prompts = [{"prompt_token_ids": p} for p in phase["prompts"]]
+    if phase.get("burst"):  # all queued at once: vLLM schedules them as its KV allows
+        results = llm.generate(prompts, sp, use_tqdm=False)
+    else:  # one at a time: each sees what the previous stored
+        results = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
     outs = []
-    for prompt in phase["prompts"]:  # one at a time: each sees what the previous stored
-        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    for out in results:
         outs.append({
             "tokens": list(out.outputs[0].token_ids),
             "cached": out.num_cached_tokens or 0,

@@ -44,7 +44,7 @@ def test_bench_serve_drives_vllm_serve_over_http_and_reports_the_figures(tmp_pat
     assert cached["input_tok_s"] > 0 and alone["requests_per_s"] > 0
     scrape = (out / "metrics-multiturn-vllm-hicache.prom").read_text()
     assert "vllm:prompt_tokens" in scrape and "hicache_vllm_saved_tokens_total" in scrape
-    live = (out / "metrics-multiturn-vllm-hicache-hicache.prom").read_text()
+    live = (out / "metrics-multiturn-vllm-hicache-worker.prom").read_text()
     assert "hicache_tier_used_pages" in live
     assert "hicache_" not in (out / "metrics-multiturn-vllm.prom").read_text()
     profile = w["connector_profile"]

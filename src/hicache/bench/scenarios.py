@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import HiCacheConfig, load_config
+from ..config import HiCacheConfig
+from ..containers import load_config
 from ..integrations.transformers import model_overrides
 
 __all__ = [

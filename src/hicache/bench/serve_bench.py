@@ -27,7 +27,7 @@ vLLM reserves a core more for a server with a KV connector, which on a small mac
 ``vllm+hicache`` more cores to compute on. Output in ``--out``: the table, ``results.json`` (every
 request, the connector's step profile, the TTFT breakdown against the limit), ``plot.png``, and
 each configuration's Prometheus scrapes (``metrics-<workload>-<configuration>.prom``: vLLM's
-``/metrics`` with hicache's families; ``...-hicache.prom``: the connector worker's own).
+``/metrics`` with hicache's families; ``...-worker.prom``: the connector worker's own).
 """
 
 from __future__ import annotations

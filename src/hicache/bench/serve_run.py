@@ -89,7 +89,7 @@ def run_workload(
     """Drive ``conversations`` against the running ``servers``; the run's records and what the servers said.
 
     Writes each server's scrapes as ``metrics-{label}[-{server}].prom`` (and the connector worker's
-    live ``/metrics`` as ``...-hicache.prom``) into ``out``.
+    live ``/metrics`` as ``...-worker.prom``) into ``out``.
     """
     before = {s.name: s.channel_call({"op": "stats"}) for s in servers.servers}
     records, wall = anyio.run(lambda: _drive(servers, conversations, settings, vocab=vocab, id_prefix=id_prefix,
@@ -111,12 +111,12 @@ def run_workload(
         loads.update({k: v for k, v in now.get("requests", {}).items() if k not in seen})
         stats[s.name] = _since(now, before.get(s.name))
         if now.get("metrics_url"):
-            live = out / f"metrics-{label}{suffix}-hicache.prom"
+            live = out / f"metrics-{label}{suffix}-worker.prom"
             import urllib.request
 
             with urllib.request.urlopen(now["metrics_url"], timeout=60) as resp:
                 live.write_bytes(resp.read())
-            scrapes[f"{s.name}-hicache"] = str(live)
+            scrapes[f"{s.name}-worker"] = str(live)
     split_by_tier(rows, loads, id_prefix)
     return {
         "configuration": label,

@@ -24,7 +24,7 @@ import anyio
 import torch
 
 from ..cache import HiCache
-from ..config import load_config
+from ..containers import load_config
 from ..engine import Engine
 from ..integrations.transformers import CachedCausalLM
 from .driver import DriverSettings, drive

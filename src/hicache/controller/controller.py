@@ -4,7 +4,9 @@ Workers:
 
 * ``backup``: device -> host copies asked for by the write policy. Fed by a bounded stream, so a
   write-through ``store`` feels backpressure instead of queueing without limit; it batches every job
-  waiting in the stream into one copy.
+  waiting in the stream into one copy a round. A node larger than the host room it can get is
+  copied by runs (split), each run's storage write queued before the next run needs its room, so
+  a host tier smaller than one prompt still carries every page down to storage.
 * ``load``: host -> device load-back for ``retrieve``, layer by layer; each layer's arrival wakes the
   callers waiting on it.
 * ``eviction``: kicked when device usage crosses the high watermark; evicts down to the low one in
@@ -28,16 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any, TypeVar
 
 import anyio
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ..errors import CacheClosedError, CapacityError, WorkerFailedError
+from ..errors import CacheClosedError, WorkerFailedError
 from ..io.transfer import TransferEngine
 from ..keys import TokenBytes
 from ..policies.base import EvictionPolicy, WritePolicy
@@ -49,33 +50,17 @@ from ..tiers.host import HostPool
 from ..tiers.storage.tier import StorageTier
 from .evictor import Evictor
 from .jobs import BackupJob, JobTracker, LoadEntry, LoadJob, StorageJob
+from .placement import Placed, Placement
 from .prefetch import Prefetcher
 from .residency import Residency
 from .storage_chain import StorageChain, StorageChange
 from .storage_writer import StorageWriter
 
-__all__ = ["CacheController", "Insertion"]
+__all__ = ["CacheController"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-@dataclass
-class Insertion:
-    """What ``insert_pages`` did with the pages it was given."""
-
-    nodes: list[TreeNode] = field(default_factory=list)  # new nodes, in order
-    duplicates: int = 0  # pages cached by another call meanwhile (freed)
-    dropped: int = 0  # pages that could not be attached (freed)
-    parent: TreeNode | None = None  # with unplaced pages: the host-only node they go under
-    at: int = 0  # the page index of the first unplaced page
-    unplaced_device: list[int] = field(default_factory=list)
-    unplaced_host: list[int] = field(default_factory=list)
-
-    @property
-    def stored(self) -> int:
-        return sum(nd.num_pages for nd in self.nodes)
-
 
 _BACKUP_BATCH = 128  # jobs merged into one device -> host copy
 _STORAGE_BATCH = 64  # jobs merged into one host -> storage write per tier
@@ -134,7 +119,6 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.residency = Residency(
             write_policy, has_host=host.num_pages > 0, storage=self.storage, writes_storage=writes_storage
         )
-        self.chain = StorageChain(self)
         self.failure: WorkerFailedError | None = None
         # Set by an engine that knows when it computes (CachedCausalLM: its ComputeGate's
         # wait_no_prefill): backups and storage writes wait for it, at most yield_max_s each time,
@@ -147,7 +131,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
         # Created on entry: anyio primitives need a running event loop.
         self.limiter: anyio.CapacityLimiter
         self.evictor: Evictor
+        self.placement: Placement
         self.prefetcher: Prefetcher
+        self.chain: StorageChain
         self.jobs: JobTracker
         self._task_group: anyio.abc.TaskGroup
         self._storage_send: MemoryObjectSendStream[StorageJob] | None = None
@@ -179,14 +165,25 @@ class CacheController(anyio.AsyncContextManagerMixin):
             storage_writer=self.storage_writer,  # used only while a storage tier is attached
             on_host_copy=lambda node: self.host_copy_made(node, wait=False),
         )
+        self.placement = Placement(
+            tree=self.tree, device=self.device, host=self.host, engine=self.engine, evictor=self.evictor,
+            counters=self.counters, limiter=self.limiter, frees_device=self.frees_device, frees_host=self.frees_host,
+            kick_eviction=self.kick_eviction,
+        )
         self.prefetcher = Prefetcher(
             tree=self.tree, tiers=self.storage, policy=self.prefetch_policy,
             threshold_tokens=self.prefetch_threshold_tokens, max_concurrent=self.max_prefetches,
             alloc_host=lambda n: self.evictor.alloc_host(n, partial=True), free_host=self.host.allocator.free,
-            insert_host=lambda tb, first, pages: self.insert_pages(tb, first, [], pages).nodes,
+            insert_host=lambda tb, first, pages: self.placement.insert_pages(tb, first, [], pages).nodes,
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
+            pin_room=self.evictor.wait_pin_room,
+        )
+        self.chain = StorageChain(
+            self.storage, host=self.host, tree=self.tree, writer=self.storage_writer, prefetcher=self.prefetcher,
+            storage_jobs=self.storage_jobs, check_open=self.check_open, start_storage_worker=self.ensure_storage_worker,
+            close_with_cache=self.close_with_cache, default_timeout_s=self.shutdown_timeout_s,
         )
         backup_send, backup_recv = anyio.create_memory_object_stream[BackupJob](self.backup_queue)
         load_send, load_recv = anyio.create_memory_object_stream[LoadJob](self.load_queue)
@@ -268,7 +265,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             log.warning(
                 "hicache closed with %d pages the %s policy promised to storage not written there "
                 "(%d never reached the host, %d failed or ran out of shutdown_timeout_s=%.1fs)",
-                device + host, self.write_policy.name, device, host, self.shutdown_timeout_s,
+                device + host, self.residency.write_policy.name, device, host, self.shutdown_timeout_s,
             )
 
     async def _supervise(
@@ -301,9 +298,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
     # -- the storage chain at runtime (storage_chain.py) ------------------------------------------
 
     async def attach_storage(self, tier: StorageTier, position: int | None = None) -> StorageChange:
+        self.check_open()  # the chain exists while the cache is open
         return await self.chain.attach(tier, position)
 
     async def detach_storage(self, name: str, *, drain: bool = True, timeout_s: float | None = None) -> StorageChange:
+        self.check_open()
         return await self.chain.detach(name, drain=drain, timeout_s=timeout_s)
 
     async def ensure_storage_worker(self) -> None:
@@ -356,11 +355,10 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.frees_device.add()
         return BackupJob(node, list(node.keys), list(node.device), Pin(node, job=True))
 
-    def _finish_backup(self, job: BackupJob, host_pages: list[int] | None) -> None:
-        for covered, start, end in self.tree.covering(job.node, job.keys):
+    def _finish_backup(self, job: BackupJob) -> None:
+        """End the job: its runs have their host pages already; what was not copied stays owed."""
+        for covered, _, _ in self.tree.covering(job.node, job.keys):
             covered.backing_up = False
-            if host_pages is not None:
-                covered.host = host_pages[start:end]
         job.pin.release()
         self.backup_jobs.done()
         self.frees_device.done()
@@ -377,14 +375,14 @@ class CacheController(anyio.AsyncContextManagerMixin):
             else:
                 self._backup_send.send_nowait(job)
         except anyio.WouldBlock:
-            self._finish_backup(job, None)
+            self._finish_backup(job)
             self.counters.backups_skipped += len(job.device_pages)
             return False
         except (anyio.BrokenResourceError, anyio.ClosedResourceError) as exc:
-            self._finish_backup(job, None)
+            self._finish_backup(job)
             raise self._stopped() from exc
         except BaseException:
-            self._finish_backup(job, None)
+            self._finish_backup(job)
             raise
         return True
 
@@ -405,7 +403,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
                 try:
                     await self._yield_to_compute()
                 except BaseException:
-                    self._finish_backup(job, None)  # cancelled while waiting: the job ends here
+                    self._finish_backup(job)  # cancelled while waiting: the job ends here
                     raise
                 await self._run_backups(_with_queued(job, receive, _BACKUP_BATCH))
         finally:
@@ -413,43 +411,121 @@ class CacheController(anyio.AsyncContextManagerMixin):
                 self._storage_send.close()  # no more backups: the storage worker may drain and stop
 
     async def _run_backups(self, batch: list[BackupJob]) -> None:
+        """Copy the jobs' device pages to the host in rounds, one run per job and round, one copy a round.
+
+        A job gets the host pages it can have (``alloc_host(partial=True)``, which evicts and waits
+        as any allocation does); when that is fewer than it has left, the run it got is split off
+        as a node of its own (``_split_run``), copied, and its storage write queued. Under a policy
+        that owes the pages to storage, the next round's allocation can then drop that run from the
+        host once written, so a node larger than the whole host tier still reaches storage run by
+        run. Without storage below, a short run ends the job: cycling the host would only copy
+        pages the next run drops again (the rest is spilled at device eviction, by runs too).
+        A job that gets no host page ends; what it did not copy is counted in ``backups_skipped``.
+        """
+        left = list(batch)
+        try:
+            while left:
+                runs, left = await self._backup_round(left)
+                # Queueing may wait, and the tree may change meanwhile (a node evicted by then is no
+                # longer wanted, which host_copy_made checks).
+                for node in runs:
+                    await self.host_copy_made(node)
+        except BaseException:
+            for job in left:
+                self._finish_backup(job)
+            raise
+
+    async def _backup_round(self, jobs: list[BackupJob]) -> tuple[list[TreeNode], list[BackupJob]]:
+        """One run of each job; returns the nodes that got host pages and the jobs to go on with."""
         placed: list[tuple[BackupJob, list[int]]] = []
         try:
-            for job in batch:
-                try:
-                    placed.append((job, await self.evictor.alloc_host(len(job.device_pages))))
-                except CapacityError:
-                    self.counters.backups_skipped += len(job.device_pages)
-            src = [p for job, _ in placed for p in job.device_pages]
+            for job in jobs:
+                pages = await self.evictor.alloc_host(len(job.keys) - job.done, partial=True)
+                if pages:
+                    placed.append((job, pages))
+            # No await from here to the copy: the runs' nodes cannot be split under us.
+            src = [p for job, pages in placed for node in self._split_run(job, len(pages)) for p in node.device or ()]
             dst = [p for _, pages in placed for p in pages]
             if src:
-                await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
+                # From here on it waits for nothing but the copy: an allocation of host pages may wait for it.
+                with self.frees_host.running():
+                    await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
         except BaseException:
             for _, pages in placed:
                 self.host.allocator.free(pages)
-            for job in batch:
-                self._finish_backup(job, None)
             raise
-        done = {id(job) for job, _ in placed}
+        runs: list[TreeNode] = []
+        got = {id(job) for job, _ in placed}
         for job, pages in placed:
-            self._finish_backup(job, pages)
-        for job in batch:
-            if id(job) not in done:
-                self._finish_backup(job, None)
+            first = job.done
+            job.done += len(pages)
+            for covered, start, end in self.tree.covering(job.node, job.keys):
+                if first <= start and end <= job.done:  # splits since the copy only add boundaries
+                    covered.host = pages[start - first : end - first]
+                    covered.backing_up = False
+                    runs.append(covered)
         self.counters.backups += len(src)
         self.counters.bytes_moved["device_to_host"] += len(src) * self.device.geometry.page_bytes
         self.kick_eviction()  # backed-up pages may now be evicted for free
-        # Collected before the first await: queueing may wait, and the tree may change meanwhile
-        # (a node evicted by then is no longer wanted, which host_copy_made checks).
-        backed_up = [covered for job, _ in placed for covered, _, _ in self.tree.covering(job.node, job.keys)]
-        for node in backed_up:
-            await self.host_copy_made(node)
+        going_on: list[BackupJob] = []
+        for job in jobs:
+            rest = len(job.keys) - job.done
+            if rest and id(job) in got and self.residency.owed_below(job.node):
+                going_on.append(job)  # the next run goes through the host once this one is written
+                continue
+            self.counters.backups_skipped += rest
+            self._finish_backup(job)
+        runs.reverse()  # covering lists deepest first: queue the writes prefix first
+        return runs, going_on
+
+    def _split_run(self, job: BackupJob, pages: int) -> list[TreeNode]:
+        """The nodes holding the job's next ``pages`` pages, prefix first; the last one is split
+        so that the run ends on a node boundary (the job's pages after it stay owed)."""
+        first, end = job.done, job.done + pages
+        out: list[TreeNode] = []
+        for covered, start, stop in reversed(self.tree.covering(job.node, job.keys)):
+            if stop <= first or start >= end:
+                continue
+            assert start >= first, "a backup run starts on a node boundary (the last run's end)"
+            if stop > end:
+                covered = self.tree.split(covered, end - start)  # the prefix: the run's last part
+            out.append(covered)
+        return out
+
+    # -- new pages: where they go (placement.py), which copies they are owed (residency.py) ------
+
+    async def store(self, tb: TokenBytes, kv: Any, *, start: int, priority: int) -> Placed:
+        """Place a store's new pages, then queue the copies down they are owed: ``HiCache.store``."""
+        placed = await self.placement.store(tb, kv, start=start, priority=priority)
+        await self.owe_copies(placed.nodes)
+        return placed
+
+    async def commit(
+        self, tb: TokenBytes, first_page: int, pages: list[int], priority: int, *, on_host: bool = False
+    ) -> Placed:
+        """Publish a reservation's pages (``on_host``: host pages), then queue the copies they are
+        owed: ``SlotReservation.commit``."""
+        placed = await self.placement.commit(tb, first_page, pages, priority, on_host=on_host)
+        await self.owe_copies(placed.nodes)
+        return placed
+
+    async def owe_copies(self, nodes: Iterable[TreeNode], *, hit: bool = False, wait: bool = True) -> None:
+        """Queue the copies down that ``nodes`` are owed now, as the residency rule says: right
+        after they were stored, or (``hit``) after a retrieve hit them. A device-only node may be
+        owed its host copy (its storage write follows that copy); a node with host pages its
+        storage write. ``wait=False``: skip a copy whose queue is full (a retrieve never waits)."""
+        for node in nodes:
+            if self.residency.host_copy_due(node, hit=hit):
+                await self.submit_backup(node, wait=wait)  # its storage write follows the host copy
+            else:
+                await self.host_copy_made(node, wait=wait)
 
     # -- storage (host -> storage) --------------------------------------------------------------
 
     async def host_copy_made(self, node: TreeNode, *, wait: bool = True) -> None:
-        """A node just got host pages: write them to storage if the write policy says so now."""
-        if self.storage_writer.wanted(node) and self.write_policy.store_on_host(node):
+        """A node has host pages (stored there, copied down, spilled): queue their storage write
+        if the residency rule says it is owed now."""
+        if self.storage_writer.wanted(node) and self.residency.storage_copy_due(node):
             await self.submit_storage_backup(node, wait=wait)
 
     async def submit_storage_backup(self, node: TreeNode, *, wait: bool = True) -> bool:
@@ -496,104 +572,6 @@ class CacheController(anyio.AsyncContextManagerMixin):
             finally:
                 for one, ok in zip(batch, results, strict=True):
                     self._finish_storage(one, ok)
-
-    # -- the index ------------------------------------------------------------------------------
-
-    def insert_pages(
-        self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0
-    ) -> Insertion:
-        """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
-
-        Synchronous, so nothing changes under it. Pages that another call cached meanwhile are
-        freed (``duplicates``); pages that cannot be attached after a gap are freed (``dropped``).
-        Device pages whose parent is host-only are not attached (device residency is
-        prefix-closed): they and the host pages after them come back in ``unplaced`` with the
-        node they go under, for ``place_unplaced`` to move to the host.
-        """
-        tree = self.tree
-        pb = tree.page_bytes
-        slots = [(True, p) for p in dev] + [(False, p) for p in host]  # (on device?, page)
-        usable = max(0, min(len(slots), len(tb) // pb - first))
-        self._free_slots(slots[usable:])
-        match = tree.match(tb[: (first + usable) * pb], split=True)
-        parent = match.path[-1] if match.path else tree.root
-        if match.pages < first:
-            # The pages before ours left the cache: ours cannot be attached without a gap.
-            self._free_slots(slots[:usable])
-            return Insertion(dropped=len(slots))
-        duplicates = match.pages - first
-        self._free_slots(slots[:duplicates])
-        rest = slots[duplicates:usable]
-        pos = first + duplicates
-        keep_dev = [p for on_dev, p in rest if on_dev]
-        keep_host = [p for on_dev, p in rest if not on_dev]
-        if keep_dev and parent is not tree.root and parent.device is None:
-            return Insertion(duplicates=duplicates, dropped=len(slots) - usable, parent=parent, at=pos,
-                             unplaced_device=keep_dev, unplaced_host=keep_host)
-        nodes: list[TreeNode] = []
-        for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
-            if not pages:
-                continue
-            node = tree.extend(parent, tb[pos * pb : (pos + len(pages)) * pb])
-            setattr(node, attr, pages)
-            node.priority = priority
-            nodes.append(node)
-            parent, pos = node, pos + len(pages)
-        return Insertion(nodes=nodes, duplicates=duplicates, dropped=len(slots) - usable)
-
-    def _free_slots(self, slots: list[tuple[bool, int]]) -> None:
-        self.device.allocator.free([p for on_dev, p in slots if on_dev])
-        self.host.allocator.free([p for on_dev, p in slots if not on_dev])
-
-    @contextmanager
-    def publishing(self) -> Iterator[None]:
-        """A store between its allocation and its insertion: its pages will soon be evictable, so
-        an allocation short of room may wait for it (it never waits for room itself in here)."""
-        self.frees_device.add()
-        self.frees_host.add()
-        try:
-            yield
-        finally:
-            self.frees_device.done()
-            self.frees_host.done()
-
-    async def place_unplaced(self, tb: TokenBytes, result: Insertion, priority: int = 0) -> Insertion:
-        """Move device pages that ``insert_pages`` could not attach (under a host-only node) to the host.
-
-        Stores never drop pages while the host has room: a prefix that left the device while a
-        store was running puts the new pages on the host, below it, instead.
-        """
-        if not result.unplaced_device:
-            return result
-        assert result.parent is not None
-        moving, after = result.unplaced_device, result.unplaced_host
-        pin = Pin(result.parent)  # the node they go under must stay while we copy
-        host_pages: list[int] = []
-        try:
-            try:
-                host_pages = await self.evictor.alloc_host(len(moving), partial=True)
-                if host_pages:
-                    await anyio.to_thread.run_sync(
-                        self.engine.device_to_host, moving[: len(host_pages)], host_pages, limiter=self.limiter
-                    )
-            except BaseException:
-                self.host.allocator.free(host_pages)
-                self._free_slots([(True, p) for p in moving] + [(False, p) for p in after])
-                raise
-            self.device.allocator.free(moving)
-            self.counters.bytes_moved["device_to_host"] += len(host_pages) * self.device.geometry.page_bytes
-            if len(host_pages) < len(moving):
-                # The host is full of leased pages: what follows the gap cannot be attached.
-                self.host.allocator.free(after)
-                after = []
-            second = self.insert_pages(tb, result.at, [], host_pages + after, priority)
-        finally:
-            pin.release()
-        gap = len(moving) - len(host_pages) + len(result.unplaced_host) - len(after)
-        return Insertion(
-            nodes=second.nodes, duplicates=result.duplicates + second.duplicates,
-            dropped=result.dropped + second.dropped + gap,
-        )
 
     # -- load-back (host -> device) -------------------------------------------------------------
 

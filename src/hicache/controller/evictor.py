@@ -7,6 +7,10 @@ both tiers:
 * the device takes device *leaves* (no device-resident child), so device residency stays
   prefix-closed. A victim the write policy promised to the host and that has no host copy yet is
   spilled there first (batched, one copy in a worker thread); one whose backup is in flight waits.
+  Pages move by runs, not whole nodes: a victim larger than the host room it gets is split, and
+  its last pages (a run that fits) are spilled and leave the device; the rest stays a device leaf
+  for the next round. So a page can leave the device as soon as one page of host room can be had,
+  however large its node (a node larger than the whole host tier leaves it run by run).
 * the host takes host-only leaves first (the node leaves the tree), then host copies of nodes that
   are still on the device. A victim promised to storage and not written there yet is written first
   (batched, through the storage writer); one whose write is queued or in flight waits; one whose
@@ -16,6 +20,11 @@ Victims come from candidate heaps kept up to date as nodes change (``candidates.
 costs O(log n) per victim, not a pass over the tree, and a large eviction (the watermark worker's)
 yields to the event loop every few hundred victims; the pages callers hold under leases are counted
 by the tree as pins come and go (``HiRadixTree.leased_pages``).
+
+Leases may pin host-only pages (a prefetch's, a retrieve's until its load-back), but never the
+last ``spill_room`` of the host (``pin_room``, ``wait_pin_room``): that room is how device pages
+owed to the host leave, so a device full of such pages can always make room for the very load-back
+a pin waits for.
 
 When no victim is left to take, allocation waits for in-flight jobs that may make room (copies down,
 load-backs, stores publishing their pages), one completion at a time, at most
@@ -49,6 +58,18 @@ __all__ = ["Evictor"]
 log = logging.getLogger(__name__)
 
 _YIELD_EVERY = 256  # victims examined between checkpoints: a bulk eviction never holds the loop long
+
+
+def spill_room(host_pages: int) -> int:
+    """Host pages that pins leave to pages coming down from the device (an eighth, at least one).
+
+    A lease pins host-only pages (a prefetch's until a retrieve takes them, a retrieve's until its
+    load-back is done); were the whole host pinned so, the device could not spill (pages owed to
+    the host stay), and a retrieve waiting for device room to load its pinned pages would wait in
+    vain. Pages leave tiers by runs, so one page that can be had is enough for the device to make
+    progress; an eighth keeps those runs from being tiny.
+    """
+    return min(max(1, host_pages // 8), max(host_pages - 1, 0))
 
 
 class Evictor:
@@ -96,6 +117,29 @@ class Evictor:
             self.counters.eviction_wait_s += seconds
 
         return BoundedWait(tracker, self.alloc_wait_s, waited)
+
+    # -- pins on the host ------------------------------------------------------------------------
+
+    def pin_room(self) -> int:
+        """Host pages that leases may still pin (host-only pages: a prefetch's, a retrieve's before
+        its load-back) while the host keeps ``spill_room`` for pages leaving the device."""
+        n = self.host.num_pages
+        return n - spill_room(n) - self.tree.leased_pages["host"]
+
+    async def wait_pin_room(self, reserved: Callable[[], int] = lambda: 0) -> int:
+        """``pin_room()`` less what the caller has ``reserved`` and not pinned yet; while that is
+        none, wait for the jobs that unpin or free host pages (a load-back takes a retrieve's pages
+        to the device), bounded as an allocation's wait. 0: there is none to be had."""
+        waits = self.host_waiter()
+        while (room := self.pin_room() - reserved()) <= 0:
+            if not await waits.next():
+                return 0
+        return room
+
+    def host_waiter(self) -> BoundedWait:
+        """A bounded wait for the jobs that can free or unpin host pages (not an eviction wait:
+        ``eviction_waits`` counts what allocations wait)."""
+        return BoundedWait(self.frees_host, self.alloc_wait_s)
 
     async def alloc_device(self, n: int, *, partial: bool = False) -> list[int]:
         """Allocate ``n`` device pages, evicting as needed.
@@ -175,11 +219,12 @@ class Evictor:
         kind: int,
         leave: Callable[[TreeNode], Verdict],
         drop: Callable[[TreeNode, Verdict], int],
-        copy_down: Callable[[list[TreeNode]], Awaitable[int]],
+        copy_down: Callable[[list[TreeNode], int], Awaitable[int]],
     ) -> tuple[int, bool]:
         """Drop victims of ``kind`` in policy order as ``leave`` (the residency rule) allows; those it
-        says must first be copied to the tier below go there in one batch (``copy_down``), then are
-        dropped if they still may be. Returns the pages freed and whether anything was copied."""
+        says must first be copied to the tier below go there in one batch (``copy_down``, told how
+        many pages are still wanted), then are dropped if they still may be. Returns the pages freed
+        and whether anything was copied."""
         candidates = self.candidates
         wanted = candidates.wanted(kind)
         candidates.refresh()
@@ -199,7 +244,7 @@ class Evictor:
                         candidates.refresh()  # its parent may be a candidate now
                     if freed + pending >= n_pages:
                         break
-            copied = await copy_down(to_copy) if to_copy else 0
+            copied = await copy_down(to_copy, n_pages - freed) if to_copy else 0
             for node in to_copy:
                 if wanted(node) and (verdict := leave(node)) in (Verdict.FREE, Verdict.LOST):
                     freed += drop(node, verdict)
@@ -220,10 +265,14 @@ class Evictor:
             self.tree.remove(node)
         return len(pages)
 
-    async def _spill(self, nodes: list[TreeNode]) -> int:
+    async def _spill(self, nodes: list[TreeNode], wanted: int) -> int:
         """Copy the device pages of ``nodes`` to new host pages in one batch; pages copied.
 
-        Nodes that find no host room (the host is full of pinned pages) stay on the device.
+        A victim the host could hold is asked whole (room is made for it, as for any allocation);
+        a larger one asks only for the ``wanted`` pages the eviction still needs (or the host's free
+        room, if more). A victim that gets fewer pages than it has is split so that its last
+        pages, as many as it got, are spilled (``_tail_run``); the rest stays a device leaf for the
+        next round. Nodes that find no host room (the host is full of pinned pages) stay.
         """
         placed: list[tuple[TreeNode, list[bytes], list[int], Pin]] = []
         done = False
@@ -231,10 +280,21 @@ class Evictor:
             # Inside the try: reserving host room for a later victim may wait (a write to storage
             # first) and be cancelled; the victims placed by then must be released.
             for node in nodes:
-                host_pages = await self.alloc_host(node.num_pages, partial=True)
-                if len(host_pages) < node.num_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
+                # A node the host can hold goes whole, as room is made for it; a larger one by runs
+                # sized to what the eviction still needs (not the whole host each round).
+                if node.num_pages <= self._unleased("host"):
+                    ask = node.num_pages
+                else:
+                    ask = min(node.num_pages, max(wanted, self.host.free_pages))
+                host_pages = await self.alloc_host(ask, partial=True) if ask > 0 else []
+                if not host_pages or self.residency.leave_device(node) is not Verdict.COPY or not self._device_leaf(node):
                     self.host.allocator.free(host_pages)
                     continue
+                # Another call may have split the victim while we waited (it keeps the deepest pages).
+                node = self._tail_run(node, len(host_pages))
+                self.host.allocator.free(host_pages[node.num_pages :])
+                host_pages = host_pages[: node.num_pages]
+                wanted -= len(host_pages)
                 node.backing_up = True
                 placed.append((node, list(node.keys), host_pages, Pin(node, job=True)))
             if not placed:
@@ -248,7 +308,8 @@ class Evictor:
                 for p in covered.device or ()
             ]
             dst = [p for _, _, pages, _ in placed for p in pages]
-            await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
+            with self.frees_host.running():  # it waits for nothing but the copy now
+                await anyio.to_thread.run_sync(self.engine.device_to_host, src, dst, limiter=self.limiter)
             done = True
         finally:
             for node, keys, host_pages, pin in placed:
@@ -266,6 +327,16 @@ class Evictor:
                 for covered, _, _ in self.tree.covering(node, keys):
                     await self.on_host_copy(covered)
         return len(dst)
+
+    def _tail_run(self, node: TreeNode, pages: int) -> TreeNode:
+        """The last ``pages`` pages of ``node`` as a node of their own (``node`` itself, split).
+
+        The split keeps the original node object as the suffix, so it stays a device leaf with
+        the same children; its prefix becomes its parent, a device leaf once the run has left.
+        """
+        if pages < node.num_pages:
+            self.tree.split(node, node.num_pages - pages)
+        return node
 
     # -- host -----------------------------------------------------------------------------------
 
@@ -301,8 +372,11 @@ class Evictor:
             self.tree.remove(node)
         return len(pages)
 
-    async def _write_to_storage(self, nodes: list[TreeNode]) -> int:
-        """Write the victims to storage before they are dropped (write-back, or a missed write-through)."""
+    async def _write_to_storage(self, nodes: list[TreeNode], wanted: int) -> int:
+        """Write the victims to storage before they are dropped (write-back, or a missed write-through).
+
+        Whole nodes: a write needs no room anywhere, so there is nothing to cut into runs.
+        """
         writer = self.storage_writer
         assert writer is not None
         jobs = [writer.prepare(nd) for nd in nodes]

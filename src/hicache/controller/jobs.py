@@ -6,7 +6,8 @@ neither tier can evict or free its pages in between; the pin is released in a ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import anyio
@@ -18,12 +19,16 @@ __all__ = ["BackupJob", "BoundedWait", "LoadJob", "StorageJob", "JobTracker"]
 
 @dataclass(eq=False)
 class BackupJob:
-    """Copy ``node``'s device pages to host (write policy backup)."""
+    """Copy ``node``'s device pages to host (write policy backup), by runs the host has room for.
+
+    ``done``: the leading pages of ``keys`` copied so far (each run became a node of its own).
+    """
 
     node: TreeNode
     keys: list[bytes]
     device_pages: list[int]
     pin: Pin
+    done: int = 0
 
 
 @dataclass(eq=False)
@@ -119,6 +124,15 @@ class JobTracker:
         self._done = anyio.Event()
         if self.count == 0:
             self._idle.set()
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Count one job for the duration of a block."""
+        self.add()
+        try:
+            yield
+        finally:
+            self.done()
 
     async def wait_idle(self) -> None:
         while self.count:

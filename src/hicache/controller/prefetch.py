@@ -8,6 +8,13 @@ controller's task group that reserves host pages a few batches at a time, reads 
 the index as host-only nodes as soon as it is verified. A request that arrives for the same pages
 joins the running prefetch instead of starting another.
 
+A prefetch pins what it publishes until a retrieve takes it, and pins at most the host's
+``pin_room`` (``Evictor.wait_pin_room``: the host keeps room for pages leaving the device). When
+that stops it short of the pages storage holds (a host tier smaller than the prefix, or filled by
+other requests' pins), ``before_retrieve`` says so (``StorageRest``): the retrieve loads what
+arrived to the device, which frees that host room, and asks again, so a prefix larger than the
+host comes up run by run within the policy's one wait.
+
 ``retrieve`` waits as the prefetch policy says (see ``policies/prefetch.py``), then ends the
 prefetch and uses what has been published. Ending (``cancel()``) frees the host pages reserved and
 not yet published; pages already published stay in the cache. The prefetch holds a pin on the
@@ -34,7 +41,7 @@ from ..stats import Counters
 from ..tiers.storage.tier import StorageTier
 from .jobs import JobTracker
 
-__all__ = ["Prefetch", "Prefetcher", "StorageHit"]
+__all__ = ["Prefetch", "Prefetcher", "StorageHit", "StorageRest"]
 
 _PIPELINE_BATCHES = 4  # batches reserved and fetched per step: the next is read while one is verified
 
@@ -56,6 +63,15 @@ class StorageHit:
         return {tier.name: n * self.page_size for tier, _, n in self.segments}
 
 
+@dataclass(frozen=True)
+class StorageRest:
+    """What a retrieve's prefetch left in storage because the host had no room for it: the pages
+    up to ``end_page`` (of the query) are there, and the policy's wait for them runs ``until``."""
+
+    end_page: int
+    until: float
+
+
 @dataclass(eq=False)
 class Prefetch:
     """A running prefetch, shared by every request that needs its pages.
@@ -73,9 +89,15 @@ class Prefetch:
     arrived_pages: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
     cancelled: bool = False
+    #: It stopped because the host had no room left (every page there pinned, its own ones too):
+    #: a retrieve can take what arrived to the device, which makes room, and fetch the rest then.
+    out_of_room: bool = False
     _scope: anyio.CancelScope = field(default_factory=anyio.CancelScope, repr=False)
     _done: anyio.Event = field(default_factory=anyio.Event, repr=False)
     _pin: Pin | None = field(default=None, repr=False)
+    #: Retrieves waiting for it: when it ends first, its pin stays until the last of them has
+    #: woken up and pinned what arrived (else the host could drop those pages in between).
+    _waiters: int = field(default=0, repr=False)
 
     @property
     def tokens(self) -> int:
@@ -125,6 +147,7 @@ class Prefetcher:
         counters: Counters,
         jobs: JobTracker,
         page_bytes: int,
+        pin_room: Callable[[Callable[[], int]], Awaitable[int]] | None = None,
     ) -> None:
         self.tree = tree
         self.tiers = tiers
@@ -141,6 +164,10 @@ class Prefetcher:
         self.page_bytes = page_bytes
         self.page_size = tree.page_size
         self.running: dict[bytes, Prefetch] = {}  # by the key of every page it fetches
+        # Host pages pins may still take (Evictor.wait_pin_room): what a prefetch pins is bounded
+        # so that the host keeps room for pages leaving the device.
+        self.pin_room = pin_room
+        self.reserved = 0  # host pages prefetches are reserving or fetching into (not yet released)
 
     # -- probing --------------------------------------------------------------------------------
 
@@ -242,29 +269,50 @@ class Prefetcher:
         ops = {id(op): op for op in list(self.running.values())}.values()
         return [op for op in ops if not op.done and any(t is tier for t, _, _ in op.segments)]
 
-    async def before_retrieve(self, tb: TokenBytes) -> None:
-        """Let storage pages of ``tb`` arrive as the policy allows, then end their prefetch."""
+    async def before_retrieve(self, tb: TokenBytes, rest: StorageRest | None = None) -> StorageRest | None:
+        """Let storage pages of ``tb`` arrive as the policy allows, then end their prefetch.
+
+        Returns ``None``, or, when the prefetch stopped for want of host room before the policy's
+        wait was over (a host tier smaller than the prefix, or one that other requests' pins fill),
+        what it left in storage: the retrieve loads what arrived to the device and calls again
+        with it as ``rest``, so the rest comes up run by run through the host within the policy's
+        one wait.
+        """
         if not self.tiers:
-            return
+            return None
         match = self.tree.match(tb)
         pb = self.page_size * TOKEN_BYTES
-        if match.pages >= len(tb) // pb:
-            return
+        full = len(tb) // pb
+        if match.pages >= full:
+            return None
         first_key = chain_keys(self._seed(match), tb[match.pages * pb : (match.pages + 1) * pb], self.page_size)[0]
         op = self.running.get(first_key)
         if op is None:
             if self.policy.wait_s(self.threshold_tokens) <= 0:
-                return  # best effort: only what a lookup already started can help
+                return None  # best effort: only what a lookup already started can help
             _, op = await self.lookup(tb, match, start=True, needed=True)
             if op is None:
-                return
+                return None
         started = anyio.current_time()
+        until = op.created + self.policy.wait_s(op.tokens)
+        if rest is not None:
+            until = min(until, rest.until)
+        op._waiters += 1
         try:
-            wait = self.policy.wait_s(op.tokens)
-            await op.wait(None if math.isinf(wait) else op.created + wait - anyio.current_time())
+            await op.wait(None if math.isinf(until) else until - anyio.current_time())
         finally:
             op.cancel()
+            op._waiters -= 1
+            if op.done and not op._waiters:
+                # The retrieve pins the pages that arrived before it next awaits: hand them over.
+                self._release_pin(op)
             self.counters.latency["prefetch_wait"].observe(anyio.current_time() - started)
+        if op.out_of_room and anyio.current_time() < until:
+            end = min(op.first_page + len(op.keys), full)
+            if op.tokens_bytes[: end * pb] != tb[: end * pb]:
+                end = match.pages  # joined another query's prefetch: claim nothing past what we share
+            return StorageRest(end, until)
+        return None
 
     def cancel_all(self) -> None:
         for op in {id(op): op for op in self.running.values()}.values():
@@ -292,9 +340,16 @@ class Prefetcher:
         Host pages are reserved for all of them up front; whatever is not published (a short
         read, a cancellation) is freed here. Returns ``(pages fetched, whether to go on)``.
         """
-        pages = await self.alloc_host(min(tier.batch_pages * _PIPELINE_BATCHES, end - pos))
+        want = min(tier.batch_pages * _PIPELINE_BATCHES, end - pos, await self._pin_room())
+        self.reserved += max(want, 0)  # before the await: a concurrent prefetch sees it taken
+        try:
+            pages = await self.alloc_host(want) if want > 0 else []
+        finally:
+            self.reserved -= max(want, 0)
         if not pages:
-            return 0, False  # the host is full of pinned pages
+            op.out_of_room = True  # the host is full of pinned pages (maybe the ones it brought)
+            return 0, False
+        self.reserved += len(pages)
         published = 0
         attached = True
 
@@ -307,8 +362,16 @@ class Prefetcher:
         try:
             got = await tier.fetch(op.keys[pos : pos + len(pages)], pages, on_batch=on_batch)
         finally:
+            self.reserved -= len(pages)  # published (pinned by op, counted as leased) or freed
             self.free_host(pages[published:])
         return got, attached and got == len(pages)
+
+    async def _pin_room(self) -> int:
+        """Host pages a prefetch may reserve now (what it brings stays pinned until a retrieve
+        takes it); waits, bounded, while pins hold all they may."""
+        if self.pin_room is None:
+            return 1 << 62
+        return await self.pin_room(lambda: self.reserved)
 
     def _publish(self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int]) -> bool:
         """Insert verified ``pages`` (from key index ``pos``) as host-only nodes. False: stop here."""
@@ -333,10 +396,15 @@ class Prefetcher:
         self.counters.bytes_moved["storage_to_host"] += got * self.page_bytes
         return True
 
-    def _finish(self, op: Prefetch) -> None:
+    @staticmethod
+    def _release_pin(op: Prefetch) -> None:
         if op._pin is not None:
             op._pin.release()
             op._pin = None
+
+    def _finish(self, op: Prefetch) -> None:
+        if not op._waiters:
+            self._release_pin(op)
         for k in op.keys:
             if self.running.get(k) is op:
                 del self.running[k]

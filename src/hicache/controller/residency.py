@@ -1,9 +1,15 @@
-"""The one rule for residency: when a page may leave a memory tier.
+"""The one rule for residency: which copies down a page is owed, and when it may leave a memory tier.
 
-A page leaves a tier only when every tier the write policy promised it to holds it, or its write
-there failed and is counted as lost. The promise is the write policy's (``promises_lower``); this
-module turns it and a node's state into a verdict, and the eviction loop (``evictor.py``) is the
-only place that asks, for both tiers:
+This module is the only one that asks the write policy. **Copies owed now** (``host_copy_due``,
+``storage_copy_due``), asked by the controller once per store, commit or retrieve hit
+(``CacheController.owe_copies``) and when a node gets host pages (``host_copy_made``): a device-only
+node is owed its host copy right after it was stored (``backup_on_insert``) or after a hit
+(``backup_on_hit``); a node with host pages is owed its storage write when ``store_on_host`` says so.
+
+**Leaving a tier.** A page leaves a tier only when every tier the write policy promised it to holds
+it, or its write there failed and is counted as lost. The promise is the write policy's
+(``promises_lower``); this module turns it and a node's state into a verdict, and the eviction loop
+(``evictor.py``) is the only place that asks, for both tiers:
 
 * ``FREE``: it may leave now (the tier below holds it, or nothing was promised);
 * ``COPY``: promised below and not there yet, no copy in flight: copy it down first (a spill);
@@ -60,6 +66,18 @@ class Residency:
     def owes_storage(self) -> bool:
         """Is there storage below the host that this cache writes (and so owes pages to) right now?"""
         return self.writes_storage and self.has_storage
+
+    def host_copy_due(self, node: TreeNode, *, hit: bool = False) -> bool:
+        """Is device-only ``node`` owed its host copy now: right after it was stored, or (``hit``)
+        after a retrieve hit it (``node.hit_count`` already counts the hit)?"""
+        if node.device is None or node.host is not None:
+            return False
+        policy = self.write_policy
+        return policy.backup_on_hit(node) if hit else policy.backup_on_insert(node)
+
+    def storage_copy_due(self, node: TreeNode) -> bool:
+        """Are ``node``'s host pages owed their storage write now (storage below that this cache writes)?"""
+        return node.host is not None and self.owes_storage and self.write_policy.store_on_host(node)
 
     def promised(self, node: TreeNode) -> bool:
         """Does the write policy promise ``node``'s pages to the tier below the one they are in?"""

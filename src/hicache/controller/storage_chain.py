@@ -24,21 +24,26 @@ that were never written to storage are written to it when they would leave memor
 
 Pages the write policy promised to the remaining tiers are untouched: a page already written was
 written to every tier of its write's snapshot, and pages still owed are written to what remains.
+
+The controller owns the chain (built when it opens) and hands it what it changes and waits on; this
+module never names the controller.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import anyio
 
 from ..errors import ConfigError, InvalidRequestError
+from ..radix_tree import HiRadixTree
+from ..tiers.host import HostPool
 from ..tiers.storage.tier import StorageTier
-
-if TYPE_CHECKING:
-    from .controller import CacheController
+from .jobs import JobTracker
+from .prefetch import Prefetcher
+from .storage_writer import StorageWriter
 
 __all__ = ["StorageChain", "StorageChange"]
 
@@ -62,40 +67,69 @@ class StorageChange:
 
 
 class StorageChain:
-    def __init__(self, controller: CacheController) -> None:
-        self.ctl = controller
+    """Changes the controller's live list of storage tiers (``storage``), one change at a time.
+
+    ``check_open`` raises once the cache is closing; ``start_storage_worker`` starts the storage
+    worker if no tier was configured at open; ``close_with_cache`` closes an attached tier with the
+    cache; ``storage_jobs`` counts queued writes; ``default_timeout_s`` bounds a detach's drain.
+    """
+
+    def __init__(
+        self,
+        storage: list[StorageTier],
+        *,
+        host: HostPool,
+        tree: HiRadixTree,
+        writer: StorageWriter,
+        prefetcher: Prefetcher,
+        storage_jobs: JobTracker,
+        check_open: Callable[[], None],
+        start_storage_worker: Callable[[], Awaitable[None]],
+        close_with_cache: Callable[[StorageTier], None],
+        default_timeout_s: float,
+    ) -> None:
+        self.storage = storage
+        self.host = host
+        self.tree = tree
+        self.writer = writer
+        self.prefetcher = prefetcher
+        self.storage_jobs = storage_jobs
+        self.check_open = check_open
+        self.start_storage_worker = start_storage_worker
+        self.close_with_cache = close_with_cache
+        self.default_timeout_s = default_timeout_s
         self._lock = anyio.Lock()  # one change at a time
 
     async def attach(self, tier: StorageTier, position: int | None = None) -> StorageChange:
-        ctl = self.ctl
-        ctl.check_open()
+        storage = self.storage
+        self.check_open()
         async with self._lock:
             started = anyio.current_time()
-            taken = {"device", "host"} | {t.name for t in ctl.storage}
+            taken = {"device", "host"} | {t.name for t in storage}
             if tier.name in taken:
                 raise ConfigError(
                     f"storage tier name {tier.name!r} is taken (tiers now: {', '.join(sorted(taken))}): "
                     "give the entry a distinct `name`"
                 )
-            if ctl.host.num_pages == 0:
+            if self.host.num_pages == 0:
                 raise ConfigError("storage tiers are written and read through the host tier, and this cache has none")
-            where = len(ctl.storage) if position is None else position
-            if isinstance(where, bool) or not isinstance(where, int) or not 0 <= where <= len(ctl.storage):
+            where = len(storage) if position is None else position
+            if isinstance(where, bool) or not isinstance(where, int) or not 0 <= where <= len(storage):
                 raise InvalidRequestError(
-                    f"position must be an int in [0, {len(ctl.storage)}] (0: fastest) or None (the end), got {position!r}"
+                    f"position must be an int in [0, {len(storage)}] (0: fastest) or None (the end), got {position!r}"
                 )
             with anyio.CancelScope(shield=True):  # never leave a half-open backend behind
                 try:
                     await tier.__aenter__()
-                    ctl.check_open()  # the cache may have started closing while the backend opened
+                    self.check_open()  # the cache may have started closing while the backend opened
                 except BaseException:
                     await tier.__aexit__(None, None, None)
                     raise
-                await ctl.ensure_storage_worker()
-                ctl.storage.insert(where, tier)
-                ctl.close_with_cache(tier)
+                await self.start_storage_worker()
+                storage.insert(where, tier)
+                self.close_with_cache(tier)
             change = StorageChange(
-                "attached", tier.name, tier.backend.kind, where, tuple(t.name for t in ctl.storage),
+                "attached", tier.name, tier.backend.kind, where, tuple(t.name for t in storage),
                 anyio.current_time() - started,
             )
         log.info("storage tier %s (%s) attached at position %d; chain now: %s (%.3f s)",
@@ -103,21 +137,21 @@ class StorageChain:
         return change
 
     async def detach(self, name: str, *, drain: bool = True, timeout_s: float | None = None) -> StorageChange:
-        ctl = self.ctl
-        ctl.check_open()
-        timeout = ctl.shutdown_timeout_s if timeout_s is None else timeout_s
+        storage, writer, prefetcher = self.storage, self.writer, self.prefetcher
+        self.check_open()
+        timeout = self.default_timeout_s if timeout_s is None else timeout_s
         async with self._lock:
             started = anyio.current_time()
-            names = [t.name for t in ctl.storage]
+            names = [t.name for t in storage]
             if name not in names:
                 raise InvalidRequestError(
                     f"no storage tier named {name!r} is attached (attached: {', '.join(names) or 'none'})"
                 )
             position = names.index(name)
-            tier = ctl.storage[position]
-            del ctl.storage[position]  # from here no new probe, write or prefetch reaches it
-            writes = ctl.storage_writer.writing_to(tier)
-            prefetches = ctl.prefetcher.using(tier)
+            tier = storage[position]
+            del storage[position]  # from here no new probe, write or prefetch reaches it
+            writes = writer.writing_to(tier)
+            prefetches = prefetcher.using(tier)
             cancelled = 0
             # Shielded, and bounded below: a cancelled caller must not leave a tier half detached.
             with anyio.CancelScope(shield=True):
@@ -125,23 +159,23 @@ class StorageChain:
                     with anyio.move_on_after(timeout):
                         for op in prefetches:
                             await op.wait()
-                        await ctl.storage_writer.wait_writes_to(tier)
+                        await writer.wait_writes_to(tier)
                 tier.detached = True  # calls not yet started are misses; writes skip it
-                left = ctl.prefetcher.using(tier)
+                left = prefetcher.using(tier)
                 for op in left:
                     op.cancel()
                     cancelled += 1
                 for op in {id(op): op for op in [*prefetches, *left]}.values():
                     await op.wait()
-                await ctl.storage_writer.wait_writes_to(tier)
+                await writer.wait_writes_to(tier)
                 await tier.wait_idle()
                 await tier.__aexit__(None, None, None)
                 retried = self._forgive_failed_writes()
-                if not ctl.storage:
+                if not storage:
                     with anyio.move_on_after(timeout):
-                        await ctl.storage_jobs.wait_idle()  # queued writes find no tier: released
+                        await self.storage_jobs.wait_idle()  # queued writes find no tier: released
             change = StorageChange(
-                "detached", tier.name, tier.backend.kind, position, tuple(t.name for t in ctl.storage),
+                "detached", tier.name, tier.backend.kind, position, tuple(t.name for t in storage),
                 anyio.current_time() - started, drained_writes=writes, drained_prefetches=len(prefetches),
                 cancelled_prefetches=cancelled, retried_pages=retried,
             )
@@ -155,7 +189,7 @@ class StorageChain:
 
     def _forgive_failed_writes(self) -> int:
         pages = 0
-        for node in self.ctl.tree.nodes():
+        for node in self.tree.nodes():
             if node.store_failed:
                 node.store_failed = False
                 pages += node.num_pages

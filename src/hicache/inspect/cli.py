@@ -42,8 +42,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> object:
-    from ..config import load_config
-    from ..containers import inspection_target
+    from ..containers import inspection_target, load_config
     from .pages import list_page_lines
     from .purge import purge
     from .summary import summarize

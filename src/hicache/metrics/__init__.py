@@ -6,8 +6,8 @@
     async with serve(cache, port=9400) as server:       # /metrics (and /admin/... with admin=True)
         ...
 
-Every figure is read from ``HiCache.stats()`` at scrape time; ``METRICS`` lists them (the README's
-"Operating hicache" has the list and example queries). ``EngineMetrics`` adds the reference
+Every figure is read from ``HiCache.stats()`` at scrape time; ``METRICS`` lists them (docs/operating.md
+has the list and example queries). ``EngineMetrics`` adds the reference
 engine's per-request TTFT, inter-token latency, queue time and cached tokens.
 """
 

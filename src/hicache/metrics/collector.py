@@ -4,7 +4,7 @@ Nothing is counted twice: every figure comes from ``HiCache.stats()`` when Prome
 histograms too: the cache keeps fixed-bucket ones, ``stats.LatencyHistogram``), so the request path
 pays nothing for the exporter. A scrape from another thread (an engine's own metrics server) takes
 its snapshot on the cache's event loop, bounded by ``timeout_s``. The metric list is ``METRICS``
-below and in the README ("Operating hicache").
+below and in docs/operating.md.
 """
 
 from __future__ import annotations

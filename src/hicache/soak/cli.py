@@ -21,7 +21,8 @@ from typing import Any
 import anyio
 from pydantic import ValidationError
 
-from ..config import HiCacheConfig, StorageTierConfig, load_config
+from ..config import HiCacheConfig, StorageTierConfig
+from ..containers import load_config
 from ..errors import ConfigError
 from .servers import (
     ServerProcess,

@@ -32,7 +32,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from ...config import HiCacheConfig
-from ...containers import page_codec_from_config, storage_tier_from_entry
+from ...containers import namespace_from_config, page_codec_from_config, storage_tier_from_entry
 from ...keys import Namespace, external_page_keys
 from ...logs import RateLimited
 from ...stats import CacheStats
@@ -76,7 +76,7 @@ class HiCacheStorageBackend(HiCacheStorage):
         pages = HostPages(mem_pool_host, attention=config.model.attention)
         if pages.page_bytes != config.page_bytes:
             raise RuntimeError(f"host page of {pages.page_bytes} bytes, config says {config.page_bytes}")
-        namespace = Namespace.from_config(config)
+        namespace = namespace_from_config(config)
         codec = page_codec_from_config(config)
         tiers = [
             storage_tier_from_entry(entry, config=config, codec=codec, host=None) for entry in config.tiers.storage

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ...config import HiCacheConfig, load_config
+from ...config import HiCacheConfig
+from ...containers import load_config
 from ...errors import ConfigError, UnsupportedModelError
 from .host_pages import PAGE_ORDERS
 

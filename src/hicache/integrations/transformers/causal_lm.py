@@ -33,7 +33,8 @@ import anyio.to_thread
 import torch
 
 from ...errors import InvalidRequestError, InvalidTokensError, UnsupportedModelError
-from . import attention
+from .attention import available as segments_available
+from .attention import using_segments
 from .gate import ComputeGate
 from .prefix_cache import BufferPool, KVBuffers, PrefixCache, layer_tensors
 from .spec import ModelSpec
@@ -87,7 +88,7 @@ class CachedCausalLM:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # 5.x / 4.5x
         self._logits_kw = "logits_to_keep" if "logits_to_keep" in params else None
         self.device = next(model.parameters()).device
-        available = attention.available(self.device)
+        available = segments_available(self.device)
         if segment_attention and not available:
             raise UnsupportedModelError(f"segment attention runs on the CPU only (the model is on {self.device})")
         self.segments = available if segment_attention is None else segment_attention
@@ -144,7 +145,7 @@ class CachedCausalLM:
         kwargs: dict[str, Any] = {self._cache_kw: kv, "use_cache": True}
         if self._logits_kw is not None:
             kwargs[self._logits_kw] = 1
-        with torch.inference_mode(), (attention.using_segments(self.model) if self.segments else nullcontext()):
+        with torch.inference_mode(), (using_segments(self.model) if self.segments else nullcontext()):
             out = self.model(input_ids=torch.tensor([ids], device=self.device), **kwargs)
         return out.logits[0, -1].float()
 

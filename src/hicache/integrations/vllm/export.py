@@ -11,15 +11,26 @@ nothing: the API server exports the latest one it received.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-if TYPE_CHECKING:
-    from .service import CacheService
+__all__ = ["CONNECTOR_METRICS", "ConnectorState", "connector_families", "encode", "decode"]
 
-__all__ = ["CONNECTOR_METRICS", "connector_families", "encode", "decode"]
+
+class ConnectorState(Protocol):
+    """What ``connector_families`` reads: the worker's ``CacheService`` (``service.py``) has it."""
+
+    counters: Any  # the service's ConnectorCounters: lookups, loads, saves, prefetches
+    open_steps: int
+
+    @property
+    def held_prefetches(self) -> int: ...
+
+    def profiles(self) -> Mapping[str, Mapping[str, Sequence[float]]]: ...
+
+    def loop_cpu_seconds(self) -> float | None: ...
 
 #: name (after ``hicache_``, without the ``_total`` a counter gets) -> (type, labels, help)
 CONNECTOR_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -42,7 +53,7 @@ CONNECTOR_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
 }
 
 
-def connector_families(service: CacheService, prefix: str = "hicache") -> list[Metric]:
+def connector_families(service: ConnectorState, prefix: str = "hicache") -> list[Metric]:
     """The connector's metrics from ``service`` (call on the cache's event loop)."""
     families: dict[str, Metric] = {}
 

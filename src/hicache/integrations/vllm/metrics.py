@@ -33,7 +33,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import Metric
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from . import export
+from .export import decode
 
 __all__ = ["HiCacheConnectorStats", "HiCachePromMetrics"]
 
@@ -63,7 +63,7 @@ class HiCacheConnectorStats(KVConnectorStats):
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
-        for family in export.decode(self.data.get("families", [])):
+        for family in decode(self.data.get("families", [])):
             key = _SUMMARY.get(family.name)
             if key is not None:
                 out[key] = out.get(key, 0) + sum(s.value for s in family.samples if s.name.endswith("_total"))
@@ -105,7 +105,7 @@ class HiCachePromMetrics(KVConnectorPromMetrics):
         for engine_idx, families in sorted(self.latest.items()):
             values = self.per_engine_labelvalues.get(engine_idx, [None, str(engine_idx)])
             const = {name: str(value) for name, value in zip(self._labelnames, values)}
-            for family in export.decode(families, const):
+            for family in decode(families, const):
                 if family.name in merged:  # the same family from several engines: one family, more samples
                     merged[family.name].samples.extend(family.samples)
                 else:

@@ -40,8 +40,9 @@ from ...config import HiCacheConfig
 from ...controller.prefetch import Prefetch
 from ...errors import HiCacheError
 from ...leases import HeldPrefix, SlotReservation
-from . import export
 from .channel import MAX_FRAME, encode
+from .export import connector_families
+from .export import encode as encode_families
 from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds
 from .settings import ConnectorOptions
 
@@ -207,7 +208,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
         """hicache's and the connector's metric families, as plain data (``export.encode``)."""
         from ...metrics import HiCacheCollector
 
-        return export.encode([*HiCacheCollector(self._cache).collect(), *export.connector_families(self)])
+        return encode_families([*HiCacheCollector(self._cache).collect(), *connector_families(self)])
 
     async def _prepare_payloads(self, interval_s: float) -> None:
         """Every ``interval_s``: a fresh export for vLLM's connector stats, which ``get_kv_connector_stats``
@@ -499,7 +500,7 @@ class _ConnectorCollector:
         return []
 
     def collect(self) -> list[Any]:
-        return export.connector_families(self.service)
+        return connector_families(self.service)
 
 
 def _jsonable(value: Any) -> Any:

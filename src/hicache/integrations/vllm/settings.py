@@ -36,7 +36,8 @@ import torch
 import xxhash
 import yaml
 
-from ...config import HiCacheConfig, load_config
+from ...config import HiCacheConfig
+from ...containers import load_config
 from ...errors import ConfigError, UnsupportedModelError
 
 __all__ = [

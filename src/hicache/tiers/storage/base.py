@@ -42,7 +42,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import urlsplit
@@ -60,7 +60,7 @@ from ...errors import (
     StorageTimeoutError,
 )
 from ...keys import KEY_BYTES
-from ...stats import HistogramSnapshot, LatencyHistogram
+from ...stats import LatencyHistogram, StorageBackendStats  # re-exported: the backend's snapshot type
 from .page_format import HEADER_BYTES
 
 __all__ = [
@@ -170,33 +170,6 @@ class BackendSettings(BaseModel):
         if not parts.scheme or not (parts.hostname or parts.path):
             raise ValueError("expected scheme://host[:port][/...]")
         return url
-
-
-@dataclass(frozen=True)
-class StorageBackendStats:
-    """A snapshot of one backend's traffic and health.
-
-    ``errors`` and ``timeouts`` count failed calls (the cache turned each into a miss or an unrecorded
-    write). ``used_bytes``/``capacity_bytes``/``stored_pages`` are ``None`` where the backend cannot tell.
-    """
-
-    kind: str
-    calls: MappingProxyType[str, int]
-    pages_read: int
-    pages_written: int
-    bytes_read: int
-    bytes_written: int
-    errors: int
-    timeouts: int
-    seconds: MappingProxyType[str, float]  # time spent in each verb
-    used_bytes: int | None
-    capacity_bytes: int | None
-    stored_pages: int | None
-    evicted_pages: int
-    corrupt_pages: int  # pages that failed verification (truncated, foreign, bad checksum): misses
-    latencies: MappingProxyType[str, HistogramSnapshot] = field(  # seconds per call, per verb
-        default_factory=lambda: MappingProxyType({})
-    )
 
 
 class StorageBackend(ABC):

@@ -11,7 +11,7 @@ Layout: ``<path>/<first two hex digits of the key>/<32 hex digits>.kv``, each fi
   the shard directory after: the page survives a power loss once ``set`` returns). A cache can
   recompute what a power loss takes, and fsync is most of the write path's time: on the benchmark
   trace 7-8 ms per call, two per page (75% of the writer threads' time), and one store's backup and
-  writes take 32 ms with it against 21 ms without (``benchmarks/background_cost.py``, README).
+  writes take 32 ms with it against 21 ms without (``benchmarks/background_cost.py``, docs/storage.md).
 * **Capacity**: bytes of page files this process knows of; the least recently used files are
   deleted to make room. Reads refresh a file's mtime, so recency survives restarts (not those of
   ``hicache inspect``, which opens the tier with ``touch_on_read: false``).

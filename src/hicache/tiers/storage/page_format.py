@@ -9,7 +9,7 @@ Every storage backend stores a page as ``header + payload`` under a 16-byte *sto
   a namespace field, the storage key, KV geometry, dtype, page size, payload length, and a check
   value over the header fields and the payload.
 
-Two modes (see the README's "Security model"):
+Two modes (see docs/security.md):
 
 * **No tenant key** (format 1, integrity only): the storage key is the page key, the namespace
   field is the namespace digest, the check value an xxh3-64 checksum. It catches torn writes, bit
@@ -319,7 +319,7 @@ def _same_buffer(a: memoryview | bytes, b: memoryview) -> bool:
 # --------------------------------------------------------------------------- inspection
 #
 # ``hicache inspect`` reads pages it did not ask for by page key: it lists storage names. What it
-# can check, with and without a tenant key (see the README's "Operating hicache"):
+# can check, with and without a tenant key (see docs/operating.md, "hicache inspect"):
 #
 # * every header names the storage name it was written under, and the check value covers it, so
 #   a page can be checked from its storage name alone: the page key (and the tokens behind it)

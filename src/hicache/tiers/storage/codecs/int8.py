@@ -7,7 +7,7 @@ A page ``[C, L, page_size, H, D]`` is stored as int8 values and fp16 scales, sym
   outlier channels, and a scale per channel keeps the others' precision;
 * V (and an MLA latent): one scale per (layer, token, head), over the head dimension.
 
-Chosen over fp8 e4m3 by ``benchmarks/page_codecs.py`` on SmolLM2's KV (README "Codecs"): 0.45% relative
+Chosen over fp8 e4m3 by ``benchmarks/page_codecs.py`` on SmolLM2's KV (docs/codecs.md): 0.45% relative
 error against 2.6%, and a 5x smaller first-token logit difference, for 1.94x fewer bytes on bf16 KV
 (3.88x on fp32) against fp8's 2x (4x). Non-finite KV values are not preserved. Pages written with
 this stage live in another namespace (``PageCodec``): an exact reader never gets one.

@@ -1,6 +1,6 @@
 """``lossless``: byte-shuffle and an entropy coder, both from blosc2, one thread per page.
 
-Why blosc2 (``benchmarks/page_codecs.py`` on SmolLM2's KV, README "Codecs"): its shuffle is SIMD C
+Why blosc2 (``benchmarks/page_codecs.py`` on SmolLM2's KV, docs/codecs.md): its shuffle is SIMD C
 code that runs inside the compressor, where shuffling with numpy first (for ``zstandard`` or ``lz4``)
 costs a strided copy that alone runs below 1 GB/s; and it decompresses into the host page itself.
 With Zstd level 1 it gives the best ratio measured (1.44x on bf16 KV, 1.18x on fp32) at the same

@@ -1,0 +1,262 @@
+"""Where new pages go: the one place a ``store`` or a ``commit`` is placed in the tiers and the index.
+
+A store's pages go to the device tier, and to the host tier when the device cannot make room
+(``alloc_device`` / ``alloc_host`` with ``partial=True``: they evict and wait as any allocation
+does). Device residency is prefix-closed, so pages after a host-only prefix go to the host, and a
+prefix that leaves the device while the store copies (``place_unplaced``) puts the new pages on the
+host below it instead: a store never drops pages while the host has room. Pages already cached
+(before, or by another call meanwhile) are freed and counted as cached; pages after a gap (the
+tokens before them are no longer cached) cannot be attached and are dropped.
+
+This module decides and publishes; which copies down the new nodes are owed is the residency
+rule's (``residency.py``), asked once per store by the controller (``CacheController.owe_copies``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from ..io.transfer import TransferEngine
+from ..keys import TokenBytes
+from ..radix_tree import HiRadixTree, Pin, TreeNode
+from ..stats import Counters
+from ..tiers.device import DevicePool
+from ..tiers.host import HostPool
+from .evictor import Evictor
+from .jobs import JobTracker
+
+__all__ = ["Insertion", "Placed", "Placement"]
+
+
+@dataclass
+class Insertion:
+    """What ``insert_pages`` did with the pages it was given."""
+
+    nodes: list[TreeNode] = field(default_factory=list)  # new nodes, in order
+    duplicates: int = 0  # pages cached by another call meanwhile (freed)
+    dropped: int = 0  # pages that could not be attached (freed)
+    parent: TreeNode | None = None  # with unplaced pages: the host-only node they go under
+    at: int = 0  # the page index of the first unplaced page
+    unplaced_device: list[int] = field(default_factory=list)
+    unplaced_host: list[int] = field(default_factory=list)
+
+    @property
+    def stored(self) -> int:
+        return sum(nd.num_pages for nd in self.nodes)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a store's or a commit's pages went, in pages: what the facade reports."""
+
+    nodes: list[TreeNode]  # the new nodes, prefix first: what the residency rule is asked about
+    stored: int  # newly cached
+    cached: int  # cached already (before, or by another call meanwhile)
+    dropped: int  # not placed (no room, or after a gap)
+
+
+class Placement:
+    """Places new pages; built by the controller when it opens (the evictor and trackers live then).
+
+    ``frees_device`` / ``frees_host``: the jobs an allocation short of room may wait for (a store
+    between its allocation and its insertion is one); ``kick_eviction``: wake the watermark worker.
+    """
+
+    def __init__(
+        self,
+        *,
+        tree: HiRadixTree,
+        device: DevicePool,
+        host: HostPool,
+        engine: TransferEngine,
+        evictor: Evictor,
+        counters: Counters,
+        limiter: anyio.CapacityLimiter,
+        frees_device: JobTracker,
+        frees_host: JobTracker,
+        kick_eviction: Callable[[], None],
+    ) -> None:
+        self.tree = tree
+        self.device = device
+        self.host = host
+        self.engine = engine
+        self.evictor = evictor
+        self.counters = counters
+        self.limiter = limiter
+        self.frees_device = frees_device
+        self.frees_host = frees_host
+        self.kick_eviction = kick_eviction
+        self._page_bytes = device.geometry.page_bytes
+
+    # -- the two ways pages arrive ----------------------------------------------------------------
+
+    async def store(self, tb: TokenBytes, kv: Any, *, start: int, priority: int) -> Placed:
+        """Place the full pages of ``tb`` not cached yet, their KV copied from ``kv`` (the KV of
+        ``tb[start:]``, validated by the caller; ``start`` a multiple of the page size)."""
+        counters = self.counters
+        counters.stores += 1
+        ps = self.tree.page_size
+        full = len(tb) // self.tree.page_bytes
+        match = self.tree.match(tb)
+        if match.pages >= full:
+            self.tree.touch(match.path)
+            return Placed([], 0, full, 0)
+        if match.pages * ps < start:
+            # tokens[match:start] are neither cached nor given: later pages have nothing to attach to.
+            dropped = full - start // ps
+            counters.dropped_pages += dropped
+            return Placed([], 0, match.pages, dropped)
+        first, need = match.pages, full - match.pages
+        pin = Pin(match.path[-1]) if match.path else None
+        try:
+            # Device residency is prefix-closed: pages after a host-only prefix go to host.
+            parent_on_device = not match.path or match.path[-1].device is not None
+            dev = await self.evictor.alloc_device(need, partial=True) if parent_on_device else []
+            try:
+                host = await self.evictor.alloc_host(need - len(dev), partial=True)
+            except BaseException:
+                self.device.allocator.free(dev)
+                raise
+            with self.publishing():
+                try:
+                    await anyio.to_thread.run_sync(
+                        self._write_user_pages, kv, first - start // ps, dev, host, limiter=self.limiter
+                    )
+                except BaseException:
+                    self.device.allocator.free(dev)
+                    self.host.allocator.free(host)
+                    raise
+                inserted = self.insert_pages(tb, first, dev, host, priority)
+            # The prefix may have left the device meanwhile: then our device pages move to the host.
+            placed = await self.place_unplaced(tb, inserted, priority)
+        finally:
+            if pin is not None:
+                pin.release()
+        stored = placed.stored
+        dropped = need - stored - placed.duplicates
+        counters.stored_pages += stored
+        counters.dropped_pages += dropped
+        counters.bytes_moved["user_to_device"] += len(dev) * self._page_bytes
+        counters.bytes_moved["user_to_host"] += len(host) * self._page_bytes
+        self.kick_eviction()
+        return Placed(placed.nodes, stored, first + placed.duplicates, dropped)
+
+    async def commit(
+        self, tb: TokenBytes, first_page: int, pages: list[int], priority: int, *, on_host: bool = False
+    ) -> Placed:
+        """Publish pages an engine wrote in place (a reservation's, now the cache's) as pages
+        ``first_page..`` of ``tb``: device pages, or (``on_host``) host pages, which need no
+        placing (host residency has no prefix rule)."""
+        inserted = self.insert_pages(tb, first_page, [] if on_host else pages, pages if on_host else [], priority)
+        placed = await self.place_unplaced(tb, inserted, priority)
+        self.counters.stored_pages += placed.stored
+        self.counters.dropped_pages += placed.dropped
+        self.kick_eviction()
+        return Placed(placed.nodes, placed.stored, placed.duplicates, placed.dropped)
+
+    def _write_user_pages(self, kv: Any, first: int, dev: list[int], host: list[int]) -> None:
+        self.engine.user_to_pool(kv, first, self.device, dev)
+        self.engine.user_to_pool(kv, first + len(dev), self.host, host)
+
+    @contextmanager
+    def publishing(self) -> Iterator[None]:
+        """A store between its allocation and its insertion: its pages will soon be evictable, so
+        an allocation short of room may wait for it (it never waits for room itself in here)."""
+        self.frees_device.add()
+        self.frees_host.add()
+        try:
+            yield
+        finally:
+            self.frees_device.done()
+            self.frees_host.done()
+
+    # -- the index ------------------------------------------------------------------------------
+
+    def insert_pages(
+        self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0
+    ) -> Insertion:
+        """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
+
+        Synchronous, so nothing changes under it. Pages that another call cached meanwhile are
+        freed (``duplicates``); pages that cannot be attached after a gap are freed (``dropped``).
+        Device pages whose parent is host-only are not attached (device residency is
+        prefix-closed): they and the host pages after them come back in ``unplaced`` with the
+        node they go under, for ``place_unplaced`` to move to the host.
+        """
+        tree = self.tree
+        pb = tree.page_bytes
+        slots = [(True, p) for p in dev] + [(False, p) for p in host]  # (on device?, page)
+        usable = max(0, min(len(slots), len(tb) // pb - first))
+        self._free_slots(slots[usable:])
+        match = tree.match(tb[: (first + usable) * pb], split=True)
+        parent = match.path[-1] if match.path else tree.root
+        if match.pages < first:
+            # The pages before ours left the cache: ours cannot be attached without a gap.
+            self._free_slots(slots[:usable])
+            return Insertion(dropped=len(slots))
+        duplicates = match.pages - first
+        self._free_slots(slots[:duplicates])
+        rest = slots[duplicates:usable]
+        pos = first + duplicates
+        keep_dev = [p for on_dev, p in rest if on_dev]
+        keep_host = [p for on_dev, p in rest if not on_dev]
+        if keep_dev and parent is not tree.root and parent.device is None:
+            return Insertion(duplicates=duplicates, dropped=len(slots) - usable, parent=parent, at=pos,
+                             unplaced_device=keep_dev, unplaced_host=keep_host)
+        nodes: list[TreeNode] = []
+        for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
+            if not pages:
+                continue
+            node = tree.extend(parent, tb[pos * pb : (pos + len(pages)) * pb])
+            setattr(node, attr, pages)
+            node.priority = priority
+            nodes.append(node)
+            parent, pos = node, pos + len(pages)
+        return Insertion(nodes=nodes, duplicates=duplicates, dropped=len(slots) - usable)
+
+    def _free_slots(self, slots: list[tuple[bool, int]]) -> None:
+        self.device.allocator.free([p for on_dev, p in slots if on_dev])
+        self.host.allocator.free([p for on_dev, p in slots if not on_dev])
+
+    async def place_unplaced(self, tb: TokenBytes, result: Insertion, priority: int = 0) -> Insertion:
+        """Move device pages that ``insert_pages`` could not attach (under a host-only node) to the host.
+
+        Stores never drop pages while the host has room: a prefix that left the device while a
+        store was running puts the new pages on the host, below it, instead.
+        """
+        if not result.unplaced_device:
+            return result
+        assert result.parent is not None
+        moving, after = result.unplaced_device, result.unplaced_host
+        pin = Pin(result.parent)  # the node they go under must stay while we copy
+        host_pages: list[int] = []
+        try:
+            try:
+                host_pages = await self.evictor.alloc_host(len(moving), partial=True)
+                if host_pages:
+                    await anyio.to_thread.run_sync(
+                        self.engine.device_to_host, moving[: len(host_pages)], host_pages, limiter=self.limiter
+                    )
+            except BaseException:
+                self.host.allocator.free(host_pages)
+                self._free_slots([(True, p) for p in moving] + [(False, p) for p in after])
+                raise
+            self.device.allocator.free(moving)
+            self.counters.bytes_moved["device_to_host"] += len(host_pages) * self._page_bytes
+            if len(host_pages) < len(moving):
+                # The host is full of leased pages: what follows the gap cannot be attached.
+                self.host.allocator.free(after)
+                after = []
+            second = self.insert_pages(tb, result.at, [], host_pages + after, priority)
+        finally:
+            pin.release()
+        gap = len(moving) - len(host_pages) + len(result.unplaced_host) - len(after)
+        return Insertion(
+            nodes=second.nodes, duplicates=result.duplicates + second.duplicates,
+            dropped=result.dropped + second.dropped + gap,
+        )
