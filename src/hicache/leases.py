@@ -65,6 +65,11 @@ class RetrieveView:
         self._num_layers = device_pool.geometry.num_layers
 
     @property
+    def tier(self) -> DevicePool:
+        """The device tier the prefix is on (``tier.layer_view(layer)[device_pages]``)."""
+        return self._device_pool
+
+    @property
     def slot_indices(self) -> torch.Tensor:
         """Token slot indices of the prefix in ``cache.device_kv`` viewed as ``[C, L, slots, H, D]``."""
         return self._device_pool.token_slots(self.device_pages)

@@ -83,7 +83,7 @@ class StepLeases:
     """The leases of one vLLM step (held prefixes to load from, reservations to save into)."""
 
     stack: AsyncExitStack = dataclasses.field(default_factory=AsyncExitStack)
-    holds: list[HeldPrefix | None] = dataclasses.field(default_factory=list)
+    holds: list[HeldPrefix | _Staged | None] = dataclasses.field(default_factory=list)
     hold_s: float = 0.0  # seconds the holds took (waiting for storage pages to reach the host tier, mostly)
     reservations: list[SlotReservation | None] = dataclasses.field(default_factory=list)
 
@@ -105,6 +105,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
         self.payload: tuple[int, list[list[Any]]] | None = None  # (sequence, families) for vLLM's stats
         self.metrics_url: str | None = None
         self.save_tier = "host"
+        self.staging_pages = 0  # the device tier's pages: what can stage a step's pages the host cannot take
         self._loop_thread: int | None = None
         # Steps ended by vLLM's thread (schedule_finish) and finished here, in order, by one task:
         # the scheduled count is written by that thread only, the done count by this loop only.
@@ -122,7 +123,9 @@ class CacheService(anyio.AsyncContextManagerMixin):
         async with HiCache.from_config(self.config) as cache:
             self.cache = cache
             # Saves go straight into host pages; only a cache without a host tier keeps them on its device tier.
-            self.save_tier = "host" if cache.stats().tiers["host"].capacity_pages else "device"
+            tiers = cache.stats().tiers
+            self.save_tier = "host" if tiers["host"].capacity_pages else "device"
+            self.staging_pages = tiers["device"].capacity_pages
             try:
                 os.unlink(self.socket_path)  # a stale socket of a dead engine with the same id
             except FileNotFoundError:
@@ -340,36 +343,53 @@ class CacheService(anyio.AsyncContextManagerMixin):
         (``HiCache.hold``; pages only storage holds are prefetched into the host tier first), and
         fresh pages of the host tier (the device tier without one) for each save.
 
-        A load or save that cannot be had gets ``None`` (the load is reported failed, the save
-        skipped); only a closed or failed cache raises.
+        Where the host tier cannot take a step's pages (a host smaller than a prompt, or pinned
+        full), the device tier stages them, if it is large enough (``staging_tokens``): a load
+        comes up through it run by run (``retrieve``), a save is reserved there and backed up to
+        the host run by run. A load or save that cannot be had gets ``None`` (the load is reported
+        failed, the save skipped); only a closed or failed cache raises.
         """
         step = StepLeases()
         self.open_steps += 1
-        cache = self._cache
-        tier = self.save_tier
-        ps = cache.page_size
         try:
             for spec in loads:
                 started = time.perf_counter()
-                try:
-                    held = await step.stack.enter_async_context(cache.hold(spec.tokens, start=spec.first_page * ps))
-                except HiCacheError as exc:
-                    log.warning("hicache: hold for %s failed: %r", spec.req_id, exc)
-                    held = None
+                step.holds.append(await self._hold(step.stack, spec))
                 step.hold_s += time.perf_counter() - started
-                step.holds.append(held)
             for spec in saves:
-                try:
-                    res = await step.stack.enter_async_context(cache.reserve(spec.num_pages, tier=tier))
-                except HiCacheError as exc:
-                    log.debug("hicache: no %s room to save %d pages of %s: %r", tier, spec.num_pages, spec.req_id, exc)
-                    self.counters.save_skipped_pages += spec.num_pages
-                    res = None
-                step.reservations.append(res)
+                step.reservations.append(await self._reserve(step.stack, spec))
         except BaseException:
             await self.close_step(step)
             raise
         return step
+
+    async def _hold(self, stack: AsyncExitStack, spec: LoadSpec) -> HeldPrefix | _Staged | None:
+        cache = self._cache
+        ps = cache.page_size
+        try:
+            held = await stack.enter_async_context(cache.hold(spec.tokens, start=spec.first_page * ps))
+            if held.tokens >= spec.end_page * ps or self.staging_pages < 2:
+                return held
+            # The host tier could not hold the whole prefix: stage it through the device tier (the
+            # cache's hit counters then count this load's held part twice: the hold's and the retrieve's).
+            held.release()
+            view = await stack.enter_async_context(cache.retrieve(spec.tokens))
+            await view.wait_all()
+            return _Staged(view, spec.first_page, ps)
+        except HiCacheError as exc:
+            log.warning("hicache: hold for %s failed: %r", spec.req_id, exc)
+            return None
+
+    async def _reserve(self, stack: AsyncExitStack, spec: SaveSpec) -> SlotReservation | None:
+        cache = self._cache
+        tiers = [self.save_tier] + (["device"] if self.save_tier == "host" and spec.num_pages <= self.staging_pages else [])
+        for tier in tiers:
+            try:
+                return await stack.enter_async_context(cache.reserve(spec.num_pages, tier=tier))
+            except HiCacheError as exc:
+                log.debug("hicache: no %s room to save %d pages of %s: %r", tier, spec.num_pages, spec.req_id, exc)
+        self.counters.save_skipped_pages += spec.num_pages
+        return None
 
     async def commit(self, step: StepLeases, saves: list[SaveSpec], skip: set[str]) -> None:
         """Publish the pages saved this step (``skip``: requests whose KV must not be kept)."""
@@ -488,6 +508,34 @@ class CacheService(anyio.AsyncContextManagerMixin):
             "namespace": {"model": self.config.model.name, "revision": self.config.model.revision},
             "page_size": cache.page_size,
         }
+
+
+class _Staged:
+    """A load brought up through the device tier (``retrieve``), shaped as a ``HeldPrefix``: the
+    pages after ``first_page`` on the device tier, and which tier supplied them."""
+
+    def __init__(self, view: Any, first_page: int, page_size: int) -> None:
+        self.tokens = view.tokens
+        pages = view.device_pages[first_page:]
+        self.segments = [(view.tier, pages)] if pages else []
+        self.by_tier = _after(view.by_tier, first_page * page_size, len(pages) * page_size)
+
+
+def _after(by_tier: Any, skip: int, tokens: int) -> dict[str, int]:
+    """Split ``tokens`` after the first ``skip`` of a view's prefix by the tier that held them.
+
+    A view lists its prefix from the top tier down (device, host, then storage tiers), and the
+    prefix is laid out in that order too: device pages first, then those loaded from below.
+    """
+    out: dict[str, int] = {}
+    pos, end = 0, skip + tokens
+    for tier in ["device", "host"] + [t for t in by_tier if t not in ("device", "host")]:
+        n = int(by_tier.get(tier, 0))
+        lo, hi = max(pos, skip), min(pos + n, end)
+        if hi > lo:
+            out[tier] = hi - lo
+        pos += n
+    return out
 
 
 class _ConnectorCollector:
