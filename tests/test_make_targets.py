@@ -48,7 +48,8 @@ RUNS = {
 
 
 def test_the_readme_names_only_targets_this_test_knows() -> None:
-    assert readme_targets() <= set(RUNS) | {"bench-vllm", "venv-vllm", "bench-sglang", "venv-sglang"}, readme_targets()
+    assert readme_targets() <= set(RUNS) | {"bench-vllm", "bench-serve", "venv-vllm", "bench-sglang", "venv-sglang"}, \
+        readme_targets()
 
 
 @pytest.mark.parametrize("target", sorted(RUNS))
@@ -74,6 +75,10 @@ def test_the_vllm_targets_parse_and_name_the_second_environment() -> None:
     assert make("-n", "venv-vllm").returncode == 0
     here = make("bench-vllm", f"VLLM_BIN={Path(sys.executable).parent}", "VLLM_ARGS=--help")
     assert here.returncode == 0 and "hicache bench vllm" in here.stdout, here.stdout[-2000:] + here.stderr[-2000:]
+    dry = make("-n", "bench-serve", "VLLM_ARGS=--help")
+    assert dry.returncode == 0 and ".venv-vllm/bin/hicache bench serve --help" in dry.stdout, dry.stdout + dry.stderr
+    here = make("bench-serve", f"VLLM_BIN={Path(sys.executable).parent}", "VLLM_ARGS=--help")
+    assert here.returncode == 0 and "hicache bench serve" in here.stdout, here.stdout[-2000:] + here.stderr[-2000:]
 
 
 def test_the_sglang_targets_name_the_third_environment() -> None:

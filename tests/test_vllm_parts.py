@@ -33,27 +33,48 @@ def _token_kv(kv: torch.Tensor, block: int, offset: int, bs: int) -> tuple[torch
     return rows[block, :, offset], rows[block, :, bs + offset]
 
 
+def _tier(kind: str, page_size: int, heads: int, dim: int, pages: int, layers: int = 3) -> Any:
+    """A real memory tier of ``pages`` pages (host page-first, host layer-first or the device pool), open."""
+    from hicache.tiers.base import KVGeometry
+    from hicache.tiers.device import DevicePool
+    from hicache.tiers.host import HostPool
+
+    geo = KVGeometry(2, layers, page_size, heads, dim, torch.float32)
+    tier = DevicePool(geo, pages * geo.page_bytes, "cpu") if kind == "device" else HostPool(
+        geo, pages * geo.page_bytes, layout=kind, pin_memory=False)
+    tier._buffer = tier._allocate_buffer()
+    tier.buffer.zero_()
+    return tier
+
+
 @pytest.mark.parametrize("page_size", [128, 32])
-def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_exactly(page_size: int) -> None:
-    bs, heads, dim, nb = 128, 3, 8, 9
+@pytest.mark.parametrize("kind", ["page_first", "layer_first", "device"])
+def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit_exact(page_size: int, kind: str) -> None:
+    bs, heads, dim, nb, layer = 128, 3, 8, 9, 1
     layout = BlockLayout(block_size=bs, page_size=page_size, num_kv_heads=heads, head_dim=dim)
     gen = torch.Generator().manual_seed(0)
     vllm_layer = torch.randn((nb, heads, bs, 2 * dim), generator=gen)
     layout.check_layer("model.layers.0.self_attn.attn", vllm_layer)
-    block_ids = [7, 2, 5]  # the request's blocks, in token order
+    block_ids = [2, 3, 7]  # the request's blocks, in token order: a run of two, then one apart
     num_pages = 3 * bs // page_size
-    pool = torch.zeros((2, 10 + num_pages, page_size, heads, dim))  # one layer of the device pool
-    pool_pages = list(range(10, 10 + num_pages))[::-1]  # any pages, any order
-    m = layout.page_map(block_ids, 0, pool_pages)
-    layout.save(vllm_layer, pool, m)
-    for t in (0, 1, page_size - 1, page_size, bs + 5, 3 * bs - 1):
+    tier = _tier(kind, page_size, heads, dim, 10 + num_pages)
+    # The first two blocks' pages consecutive, the last block's backwards: runs are found where both
+    # sides are consecutive (one per block when a block holds several pages).
+    two = 2 * bs // page_size
+    tier_pages = list(range(10, 10 + two)) + list(range(10 + two, 10 + num_pages))[::-1]
+    runs = layout.runs(block_ids, 0, tier_pages)
+    assert sum(r.length for r in runs) == num_pages and len(runs) < num_pages
+    layout.save(vllm_layer, tier.layer_view(layer), runs)
+    pool = tier.layer_view(layer).unflatten(2, (page_size, heads, dim))  # [pages, C, ps, H, D]
+    for t in (0, 1, page_size - 1, page_size, bs + 5, 2 * bs + 3, 3 * bs - 1):
         k, v = _token_kv(vllm_layer, block_ids[t // bs], t % bs, bs)
-        page, off = pool_pages[t // page_size], t % page_size
-        assert torch.equal(pool[0, page, off], k) and torch.equal(pool[1, page, off], v)
-    # Load pages 1.. of the request back into fresh blocks: exactly their slots change.
+        page, off = tier_pages[t // page_size], t % page_size
+        assert torch.equal(pool[page, 0, off], k) and torch.equal(pool[page, 1, off], v)
+    assert not tier.layer_view(0).any() and not tier.layer_view(2).any()  # other layers untouched
+    # Load pages of blocks 1.. of the request back into fresh blocks: exactly their slots change.
     target = torch.zeros_like(vllm_layer)
     first = bs // page_size  # from the second block on
-    layout.load(pool, target, layout.page_map(block_ids, first, pool_pages[first:]))
+    layout.load(tier.layer_view(layer), target, layout.runs(block_ids, first, tier_pages[first:]))
     assert torch.equal(target[block_ids[1]], vllm_layer[block_ids[1]])
     assert torch.equal(target[block_ids[2]], vllm_layer[block_ids[2]])
     assert not target[block_ids[0]].any() and not target[0].any()
@@ -94,8 +115,11 @@ def test_the_namespace_comes_from_vllms_model_config_and_the_weights_fingerprint
     assert (m.name, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype) == (str(model), 4, 2, 8, "float32")
     assert m.revision == f"xxh3-128:{weights_fingerprint(model)}"
     assert cfg.page_size == 128  # follows vLLM's block size
-    # Staging: max_model_len + max_num_batched_tokens tokens of device pages.
-    assert cfg.tiers.device.capacity == (1024 + 512) // 128 * cfg.page_bytes
+    # With a host tier the connector copies to host pages directly: the device tier is one block.
+    assert cfg.tiers.device.capacity == cfg.page_bytes
+    # Without one the pages live on the device tier: max_model_len + max_num_batched_tokens tokens of it.
+    hostless = cache_config_for(_vllm_config(str(model)), {"overrides": {"tiers": {"host": {"capacity": 0}}}})
+    assert hostless.tiers.device.capacity == (1024 + 512) // 128 * cfg.page_bytes
     (model / "model.safetensors").write_bytes(b"weights v2")
     assert cache_config_for(_vllm_config(str(model))).model.revision != m.revision  # other weights, other keys
     pinned = cache_config_for(_vllm_config(str(model)), {"overrides": {"model": {"revision": "release-7"}}})

@@ -23,7 +23,7 @@ from .errors import (
     WorkerFailedError,
 )
 from .keys import Namespace
-from .leases import RetrieveView, SlotReservation
+from .leases import HeldPrefix, RetrieveView, SlotReservation
 from .stats import CacheStats, StorageTierStats, TierStats
 from .tiers.storage import BackendSettings, PageIO, StorageBackend, StorageBackendStats
 
@@ -38,6 +38,7 @@ __all__ = [
     "Namespace",
     "RetrieveView",
     "SlotReservation",
+    "HeldPrefix",
     "CacheStats",
     "TierStats",
     "StorageTierStats",

@@ -29,7 +29,8 @@ from .config import StorageTierConfig
 from .controller.loadback import bring_up
 from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
-from .leases import Lease, RetrieveView, SlotReservation
+from .leases import HeldPrefix, Lease, RetrieveView, SlotReservation
+from .radix_tree import Pin
 from .stats import CacheStats, TierStats
 
 if TYPE_CHECKING:
@@ -328,21 +329,30 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
     # -- zero-copy path -------------------------------------------------------------------------
 
-    def reserve(self, num_pages: int) -> Lease:
-        """Lease ``num_pages`` fresh device pages to write KV into in place (see ``SlotReservation``)."""
+    def reserve(self, num_pages: int, *, tier: str = "device") -> Lease:
+        """Lease ``num_pages`` fresh pages to write KV into in place (see ``SlotReservation``).
+
+        ``tier="host"``: pages of the host tier, for an engine whose own KV memory plays the device
+        tier's part and copies its pages out itself (the vLLM connector); committed, they join the
+        index as host pages, owed to storage as the residency rule says.
+        """
         self.controller.check_open()
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 0:
             raise InvalidRequestError(f"num_pages must be a non-negative int, got {num_pages!r}")
-
-        if num_pages > self.controller.device.num_pages:
+        if tier not in ("device", "host"):
+            raise InvalidRequestError(f"tier must be 'device' or 'host', got {tier!r}")
+        ctl = self.controller
+        pool = ctl.device if tier == "device" else ctl.host
+        if num_pages > pool.num_pages:
             # Checked first: evicting the whole tier and then failing would leave it changed.
             raise CapacityError(
-                f"reserve({num_pages}) asks for more pages than the device tier has ({self.controller.device.num_pages})"
+                f"reserve({num_pages}) asks for more pages than the {tier} tier has ({pool.num_pages})"
             )
 
         async def acquire() -> SlotReservation:
-            pages = await self.controller.evictor.alloc_device(num_pages)
-            return SlotReservation(pages, self.controller.device, self._commit, self.controller.device.allocator.free)
+            alloc = ctl.evictor.alloc_device if tier == "device" else ctl.evictor.alloc_host
+            pages = await alloc(num_pages)
+            return SlotReservation(pages, pool, self._commit, pool.allocator.free)
 
         return Lease(acquire)
 
@@ -354,8 +364,83 @@ class HiCache(anyio.AsyncContextManagerMixin):
             raise InvalidRequestError(f"first_page must be a non-negative int, got {first_page!r}")
         _check_priority(priority)
         # Validated: from here the pages belong to the cache (published, or freed by the index).
-        placed = await ctl.commit(tb, first_page, reservation.hand_over(), priority)
+        on_host = reservation.tier is ctl.host
+        placed = await ctl.commit(tb, first_page, reservation.hand_over(), priority, on_host=on_host)
         return placed.stored * self._page_size
+
+    # -- holding a prefix in place ----------------------------------------------------------------
+
+    def hold(self, tokens: Any, *, start: int = 0) -> Lease:
+        """Lease the longest cached prefix of ``tokens`` pinned where it lies (see ``HeldPrefix``).
+
+        For an engine that copies KV into its own memory itself: unlike ``retrieve``, nothing is
+        loaded to the device tier (no device room is needed, so a prefix as long as the host tier
+        holds is never cut short for want of it). Pages that only storage holds arrive in host
+        memory first, as the prefetch policy's wait allows. ``start`` (a multiple of
+        ``page_size``): tokens the caller holds already; only the pages after it are listed and
+        counted as hits, and a prefix that ends before it holds nothing.
+        """
+        self.controller.check_open()
+        tb = as_token_bytes(tokens)
+        ps = self._page_size
+        num_tokens = len(tb) // TOKEN_BYTES
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= num_tokens or start % ps:
+            raise InvalidRequestError(f"start must be a multiple of page_size ({ps}) in [0, {num_tokens}], got {start!r}")
+        return Lease(lambda: self._acquire_held(tb, start))
+
+    async def _acquire_held(self, tb: bytes, start: int) -> HeldPrefix:
+        ctl = self.controller
+        ctl.check_open()
+        ps = self._page_size
+        started = time.perf_counter()
+        ctl.counters.retrieves += 1
+        # Storage pages arrive in host memory first; what the host could not take stays a miss.
+        await ctl.prefetcher.before_retrieve(tb)
+        path = ctl.tree.match(tb, split=True).path
+        first = start // ps
+        hit_pages = sum(nd.num_pages for nd in path)
+        # The node holding the first page after ``start`` is split there, so that pages the caller
+        # holds are neither listed nor counted (nor their storage source taken).
+        pos = 0
+        for i, node in enumerate(path):
+            if pos < first < pos + node.num_pages:
+                path[i] = ctl.tree.split(node, first - pos)
+                path.insert(i + 1, node)
+                break
+            pos += node.num_pages
+        pin = Pin(path[-1]) if hit_pages > first else None
+        segments: list[tuple[Any, list[int]]] = []
+        by_tier = {"device": 0, "host": 0} | {tier.name: 0 for tier in ctl.storage}
+        pos = 0
+        for node in path:
+            if pos >= first:
+                # Host pages first: a node being loaded to the device (``loading``) has device pages
+                # whose data has not arrived; its host pages are whole. Device-only nodes are whole.
+                if node.host is not None:
+                    segments.append((ctl.host, list(node.host)))
+                    tier = "host"
+                else:
+                    segments.append((ctl.device, list(node.device or [])))
+                    tier = "device"
+                if node.source is not None:  # a prefetch brought it from storage: that tier supplied it
+                    tier, node.source = node.source, None
+                by_tier[tier] = by_tier.get(tier, 0) + node.num_pages * ps
+            pos += node.num_pages
+        held = path if pin is not None else []
+        try:
+            ctl.tree.touch(held)
+            await ctl.owe_copies(held, hit=True, wait=False)  # selective write-through: copies once hot
+        except BaseException:
+            if pin is not None:
+                pin.release()
+            raise
+        self._count_retrieve(len(tb) // TOKEN_BYTES - start, by_tier)
+        elapsed = time.perf_counter() - started
+        ctl.counters.latency["retrieve_first_layer"].observe(elapsed)
+        ctl.counters.latency["retrieve_last_layer"].observe(elapsed)
+        return HeldPrefix(
+            tokens=hit_pages * ps, start=start, by_tier=by_tier, segments=segments, pin=pin, check_open=ctl.check_open,
+        )
 
     # -- observability --------------------------------------------------------------------------
 

@@ -218,6 +218,9 @@ class HostTierConfig(BaseModel):
     capacity: _HostSize = 2 * 1024**3  # 0: no host tier
     layout: Literal["page_first", "layer_first"] = "page_first"
     pin_memory: _PinMemory = "auto"
+    # Fault the tier's pages in from open on, in the background (Linux; tiers/prefault.py): for an
+    # engine that writes fresh host pages on its critical path (the vLLM connector's saves).
+    prefault: bool = False
 
 
 _CODEC_ROLES = {"int8": 0, "lossless": 1, "aes-gcm": 2}  # lossy, lossless, encryption: the order of a chain

@@ -201,6 +201,7 @@ class Container(containers.DeclarativeContainer):
         layout=config.provided.tiers.host.layout,
         pin_memory=config.provided.tiers.host.pin_memory,
         device_tier=device_pool.provided.device,
+        prefault=config.provided.tiers.host.prefault,
     )
 
     io_backend = providers.Selector(

@@ -6,8 +6,11 @@ by hand by the caller.
 
 * ``RetrieveView`` (from ``HiCache.retrieve``): the KV of the longest cached prefix, on the device
   tier, arriving layer by layer.
-* ``SlotReservation`` (from ``HiCache.reserve``): fresh device pages an engine writes KV into in
-  place (zero-copy), then commits to the cache under their token ids.
+* ``SlotReservation`` (from ``HiCache.reserve``): fresh device pages (or host pages, with
+  ``tier="host"``) an engine writes KV into in place (zero-copy), then commits to the cache under
+  their token ids.
+* ``HeldPrefix`` (from ``HiCache.hold``): the cached prefix pinned where it lies (host or device
+  pages), for an engine that copies KV into its own memory itself.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from .errors import InvalidRequestError, WorkerFailedError
 if TYPE_CHECKING:
     from .controller.jobs import LoadJob
     from .radix_tree import Pin
+    from .tiers.base import MemoryTier
     from .tiers.device import DevicePool
 
-__all__ = ["RetrieveView", "SlotReservation", "Lease"]
+__all__ = ["RetrieveView", "SlotReservation", "HeldPrefix", "Lease"]
 
 
 class RetrieveView:
@@ -59,6 +63,11 @@ class RetrieveView:
         self._check_open = check_open
         self._released = False
         self._num_layers = device_pool.geometry.num_layers
+
+    @property
+    def tier(self) -> DevicePool:
+        """The device tier the prefix is on (``tier.layer_view(layer)[device_pages]``)."""
+        return self._device_pool
 
     @property
     def slot_indices(self) -> torch.Tensor:
@@ -129,30 +138,34 @@ class Lease:
 
 
 class SlotReservation:
-    """Fresh device pages reserved for an engine to write KV into in place.
+    """Fresh pages of one memory tier reserved for an engine to write KV into in place.
 
     Write the KV of pages ``first_page..first_page + len(pages)`` of a token sequence into
-    ``cache.device_kv[:, :, pages]`` (or through ``slot_indices``), then ``await commit(tokens,
-    first_page)``: the pages join the cache (those already cached by then are freed instead). Pages
-    not committed are freed when the block exits.
+    ``cache.device_kv[:, :, pages]`` (or through ``slot_indices``; host pages: through
+    ``tier.layer_view``), then ``await commit(tokens, first_page)``: the pages join the cache
+    (those already cached by then are freed instead). Pages not committed are freed when the block
+    exits.
     """
 
     def __init__(
         self,
         pages: list[int],
-        device_pool: DevicePool,
+        tier: MemoryTier,
         commit: Callable[[SlotReservation, Any, int, int], Awaitable[int]],
         free: Callable[[list[int]], None],
     ) -> None:
         self.pages = pages
-        self._device_pool = device_pool
+        self.tier = tier  # the tier the pages belong to (the device pool unless reserved on the host)
         self._commit = commit
         self._free = free
         self._owned = True
 
     @property
     def slot_indices(self) -> torch.Tensor:
-        return self._device_pool.token_slots(self.pages)
+        token_slots = getattr(self.tier, "token_slots", None)
+        if token_slots is None:
+            raise InvalidRequestError(f"slot_indices address the device pool; these pages are on the {self.tier.name} tier")
+        return token_slots(self.pages)
 
     async def commit(self, tokens: Any, first_page: int = 0, *, priority: int = 0) -> int:
         """Hand the pages to the cache as pages ``first_page..`` of ``tokens``; return tokens added.
@@ -173,3 +186,58 @@ class SlotReservation:
         if self._owned:
             self._owned = False
             self._free(self.pages)
+
+
+class HeldPrefix:
+    """A cached prefix pinned in the tiers where it lies, until the block exits (``HiCache.hold``).
+
+    Nothing is copied: an engine that copies KV into its own memory reads the pages in place, layer
+    by layer (``tier.layer_view(layer)[pages]``, ``[pages, C, page_size * H * D]``). ``tokens`` is
+    the cached prefix (whole pages, from token 0); ``start`` the tokens the caller said it holds
+    already; ``segments`` lists, in order, the ``(tier, pages)`` holding tokens ``start..tokens``;
+    ``by_tier`` says which tier supplied them (a storage tier's name for pages a prefetch brought
+    from it into host memory).
+    """
+
+    def __init__(
+        self,
+        *,
+        tokens: int,
+        start: int,
+        by_tier: Mapping[str, int],
+        segments: list[tuple[MemoryTier, list[int]]],
+        pin: Pin | None,
+        check_open: Callable[[], None],
+    ) -> None:
+        self.tokens = tokens
+        self.start = start
+        self.by_tier = MappingProxyType(dict(by_tier))
+        self.segments = segments
+        self._pin = pin
+        self._check_open = check_open
+        self._released = False
+
+    @property
+    def num_pages(self) -> int:
+        """Pages held after ``start``."""
+        return sum(len(pages) for _, pages in self.segments)
+
+    def check(self) -> None:
+        """Raise unless the pages may still be read (held, and the cache open)."""
+        if self._released:
+            raise InvalidRequestError("this HeldPrefix was released when its `async with` block exited")
+        self._check_open()
+
+    def release(self) -> None:
+        """Unpin the prefix (idempotent); called when the ``async with`` block exits."""
+        if not self._released:
+            self._released = True
+            if self._pin is not None:
+                self._pin.release()
+
+    async def arelease(self) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        where = [(tier.name, len(pages)) for tier, pages in self.segments]
+        return f"<HeldPrefix tokens={self.tokens} start={self.start} pages={where} released={self._released}>"

@@ -6,6 +6,8 @@ a fake (``SlowWriteFileBackend``) so that writes are still queued when it is tol
 
 1. a completion is answered, and after vLLM's prefix cache is reset the same prompt is served from
    hicache (the blocks counted as cached) with the same greedy text;
+1b. a long prompt whose first blocks vLLM holds again: hicache loads only the blocks vLLM lacks,
+   straight from its host tier (no staging: its device tier is one block), none cut short, same text;
 2. hicache's metrics appear on vLLM's own ``/metrics`` during traffic (through vLLM's connector
    stats), and the worker's ``metrics_port`` serves them live;
 3. SIGTERM right after a burst of saves: with ``--shutdown-timeout`` and
@@ -105,7 +107,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             "stats_interval_s": 0.2,
             "metrics_port": 0,
             "overrides": {
-                "tiers": {"host": {"capacity": "64MiB", "pin_memory": False},
+                "tiers": {"host": {"capacity": "128MiB", "pin_memory": False},
                           "storage": [{"kind": "tests.vllm.fakes:SlowWriteFileBackend", "name": "file",
                                        "path": str(pages), "fsync": "never", "delay_s": 1.0}]},
                 "controller": {"shutdown_timeout_s": 60},
@@ -162,6 +164,27 @@ def test_vllm_serve_answers_and_serves_a_repeated_prompt_from_hicache(server: Se
     # Whole blocks before the last prompt token: 2 blocks, loaded by the connector.
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BLOCK
     assert server.stats()["connector"]["loaded_tokens"] >= 2 * BLOCK
+
+
+def test_a_long_prefix_is_loaded_only_where_vllm_lacks_it_straight_from_the_host_tier(server: Server) -> None:
+    doc = _tokens(6 * BLOCK + 20)
+    first = server.complete(doc, max_tokens=6)  # vLLM alone computes it all; hicache saves its 6 blocks
+    server.channel.call({"op": "wait_idle"})
+    assert server.post("/reset_prefix_cache")["success"]
+    server.complete(doc[: 2 * BLOCK + 5], max_tokens=1)  # vLLM holds the first 2 blocks again (loaded)
+    before = server.stats()
+    again = server.complete(doc, max_tokens=6)
+    after = server.stats()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BLOCK
+    c0, c1 = before["connector"], after["connector"]
+    assert c1["loaded_tokens"] - c0["loaded_tokens"] == 4 * BLOCK  # the 4 blocks vLLM lacked, not all 6
+    assert c1["load_failures"] == c0["load_failures"] and c1["failed_tokens"] == c0["failed_tokens"]
+    h0, h1 = before["cache"]["tiers"]["host"], after["cache"]["tiers"]["host"]
+    assert h1["hit_tokens"] - h0["hit_tokens"] == 4 * BLOCK  # held in place on the host tier
+    assert after["cache"]["short_retrieves"] == 0
+    device = after["cache"]["tiers"]["device"]
+    assert device["capacity_pages"] == 1 and device["used_pages"] == 0  # nothing staged
 
 
 def _value(families: dict[str, Any], name: str, **labels: str) -> float:

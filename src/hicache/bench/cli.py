@@ -1,4 +1,4 @@
-"""``hicache bench multiturn|long-context|vllm|vllm-overhead``: run the configurations on one trace, compare them.
+"""``hicache bench multiturn|long-context|vllm|vllm-overhead|serve``: run the configurations on one trace, compare them.
 
 Each configuration runs in its own process (``hicache.bench.worker``), in the order given (with
 ``--repeat N``, N times in alternating order: ``repeats.py``); the parent prints the table,
@@ -35,6 +35,8 @@ from .report import (
     plot,
 )
 from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing
+from .serve_bench import add_parser as add_serve_parser
+from .serve_bench import run_serve_benchmark
 from .vllm_bench import add_parser as add_vllm_parser
 from .vllm_bench import run_vllm_benchmark
 from .vllm_overhead import add_parser as add_vllm_overhead_parser
@@ -101,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(lc)
     add_vllm_parser(sub)  # `hicache bench vllm`: the same multi-turn trace through vLLM (vllm_bench.py)
     add_vllm_overhead_parser(sub)  # `hicache bench vllm-overhead`: the connector's cost when nothing hits
+    add_serve_parser(sub)  # `hicache bench serve`: vllm serve over HTTP, multi-turn and long-context (serve_bench.py)
     return parser
 
 
@@ -338,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         run_vllm_benchmark(args)
     elif args.benchmark == "vllm-overhead":
         run_overhead_benchmark(args)
+    elif args.benchmark == "serve":
+        run_serve_benchmark(args)
     else:
         run_benchmark(args)
     return 0

@@ -500,9 +500,12 @@ class CacheController(anyio.AsyncContextManagerMixin):
         await self.owe_copies(placed.nodes)
         return placed
 
-    async def commit(self, tb: TokenBytes, first_page: int, device_pages: list[int], priority: int) -> Placed:
-        """Publish a reservation's device pages, then queue the copies they are owed: ``SlotReservation.commit``."""
-        placed = await self.placement.commit(tb, first_page, device_pages, priority)
+    async def commit(
+        self, tb: TokenBytes, first_page: int, pages: list[int], priority: int, *, on_host: bool = False
+    ) -> Placed:
+        """Publish a reservation's pages (``on_host``: host pages), then queue the copies they are
+        owed: ``SlotReservation.commit``."""
+        placed = await self.placement.commit(tb, first_page, pages, priority, on_host=on_host)
         await self.owe_copies(placed.nodes)
         return placed
 

@@ -146,10 +146,13 @@ class Placement:
         self.kick_eviction()
         return Placed(placed.nodes, stored, first + placed.duplicates, dropped)
 
-    async def commit(self, tb: TokenBytes, first_page: int, device_pages: list[int], priority: int) -> Placed:
-        """Publish device pages an engine wrote in place (a reservation's, now the cache's) as
-        pages ``first_page..`` of ``tb``."""
-        inserted = self.insert_pages(tb, first_page, device_pages, [], priority)
+    async def commit(
+        self, tb: TokenBytes, first_page: int, pages: list[int], priority: int, *, on_host: bool = False
+    ) -> Placed:
+        """Publish pages an engine wrote in place (a reservation's, now the cache's) as pages
+        ``first_page..`` of ``tb``: device pages, or (``on_host``) host pages, which need no
+        placing (host residency has no prefix rule)."""
+        inserted = self.insert_pages(tb, first_page, [] if on_host else pages, pages if on_host else [], priority)
         placed = await self.place_unplaced(tb, inserted, priority)
         self.counters.stored_pages += placed.stored
         self.counters.dropped_pages += placed.dropped

@@ -42,7 +42,7 @@ CONNECTOR_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "vllm_failed_tokens": ("counter", (), "Tokens promised by a lookup that could not be loaded (recomputed)"),
     "vllm_saves": ("counter", (), "Request steps whose new pages were saved"),
     "vllm_saved_tokens": ("counter", (), "Tokens saved from vLLM's blocks into hicache (newly cached)"),
-    "vllm_save_skipped_pages": ("counter", (), "Pages not saved (no staging room, or a failed load in the step)"),
+    "vllm_save_skipped_pages": ("counter", (), "Pages not saved (no host room, or a failed load in the step)"),
     "vllm_prefetches_held": ("counter", (), "Storage prefetches started by a queued request's lookup"),
     "vllm_prefetches_cancelled": ("counter", (), "Prefetches ended because their request finished or was aborted"),
     "vllm_held_prefetches": ("gauge", (), "Prefetches held for queued requests now"),

@@ -2,13 +2,19 @@
 
 vLLM's CPU backend keeps one tensor per attention layer, ``[num_blocks, H, block_size, 2 * D]``,
 which it reads as ``[num_blocks, H, 2 * block_size, D]``: per block and head, ``block_size`` rows
-of K, then ``block_size`` rows of V. hicache's device pool is ``[2, L, pages, page_size, H, D]``.
+of K, then ``block_size`` rows of V. A hicache tier gives one layer of its pages as a page-major
+view ``[pages, C, page_size * H * D]`` (``MemoryTier.layer_view``), whatever its real layout: the
+host tier's page-first or layer-first buffer, the device pool's layer-first one.
 
 A hicache page holds ``page_size`` consecutive tokens and ``page_size`` divides the block size, so
 token page ``j`` of a request lives in block ``block_ids[j // per_block]`` at sub-block
 ``j % per_block``. Viewing a vLLM layer as ``[num_blocks, H, 2, per_block, page_size, D]`` (a view,
-no copy), a set of pages is addressed by two index tensors (block, sub-block), and each direction
-is one batched gather and one batched scatter per layer, whatever the number of pages or tokens.
+no copy), the copy between a tier's pages and vLLM's blocks is one strided ``copy_`` per *run*
+(consecutive pages into consecutive blocks, or sub-blocks of one block), with the layout conversion
+(``[C, page_size, H, D]`` against ``[H, C, page_size, D]``) done by that same copy. Pages are
+allocated in runs on both sides, so a request's prefix is a few runs; a run of one page still
+costs one copy. Measured here (SmolLM2's geometry, 60 pages, one layer): 0.6 ms per direction by
+runs, against 2.2-8 ms for a gather through index tensors (which copies twice).
 """
 
 from __future__ import annotations
@@ -19,31 +25,18 @@ import torch
 
 from ...errors import UnsupportedModelError
 
-__all__ = ["PageMap", "BlockLayout"]
+__all__ = ["CopyRun", "BlockLayout"]
 
 
 @dataclass(frozen=True)
-class PageMap:
-    """Where ``len(pages)`` token pages of one step live: in vLLM (block, sub-block), in hicache (page)."""
+class CopyRun:
+    """``length`` pages: hicache pages ``page..`` <-> vLLM block ``block``, sub-blocks ``sub..``
+    (``per_block == 1``: blocks ``block..``, consecutive)."""
 
-    blocks: torch.Tensor  # [n] long: vLLM block ids
-    subs: torch.Tensor  # [n] long: sub-block (page) index inside the block
-    pages: torch.Tensor  # [n] long: hicache device pages
-
-    @property
-    def size(self) -> int:
-        return int(self.pages.numel())
-
-    @staticmethod
-    def concat(maps: list[PageMap]) -> PageMap | None:
-        maps = [m for m in maps if m.size]
-        if not maps:
-            return None
-        if len(maps) == 1:
-            return maps[0]
-        return PageMap(
-            torch.cat([m.blocks for m in maps]), torch.cat([m.subs for m in maps]), torch.cat([m.pages for m in maps])
-        )
+    block: int
+    sub: int
+    page: int
+    length: int
 
 
 class BlockLayout:
@@ -70,23 +63,51 @@ class BlockLayout:
                 "(vLLM's CPU attention layout, K rows then V rows per block and head)"
             )
 
-    def page_map(self, block_ids: list[int], first_page: int, pages: list[int]) -> PageMap:
-        """Token pages ``first_page..first_page + len(pages)`` of a request whose blocks are ``block_ids``."""
-        idx = torch.arange(first_page, first_page + len(pages), dtype=torch.long)
-        table = torch.as_tensor(block_ids, dtype=torch.long)
-        return PageMap(table[idx // self.per_block], idx % self.per_block, torch.as_tensor(pages, dtype=torch.long))
+    def runs(self, block_ids: list[int], first_page: int, pages: list[int]) -> list[CopyRun]:
+        """Token pages ``first_page..first_page + len(pages)`` of a request whose blocks are
+        ``block_ids``, held in hicache ``pages``, as maximal runs."""
+        out: list[CopyRun] = []
+        per = self.per_block
+        for i, page in enumerate(pages):
+            j = first_page + i
+            block, sub = block_ids[j // per], j % per
+            if out:
+                last = out[-1]
+                if page == last.page + last.length:
+                    if per == 1 and block == last.block + last.length:
+                        out[-1] = CopyRun(last.block, 0, last.page, last.length + 1)
+                        continue
+                    if per > 1 and block == last.block and sub == last.sub + last.length:
+                        out[-1] = CopyRun(last.block, last.sub, last.page, last.length + 1)
+                        continue
+            out.append(CopyRun(block, sub, page, 1))
+        return out
 
     def _split(self, kv: torch.Tensor) -> torch.Tensor:
         """``[num_blocks, H, 2, per_block, page_size, D]``: a view of a vLLM layer."""
         nb = kv.shape[0]
         return kv.view(nb, self.num_kv_heads, 2, self.per_block, self.page_size, self.head_dim)
 
-    def load(self, pool_layer: torch.Tensor, kv: torch.Tensor, m: PageMap) -> None:
-        """hicache -> vLLM: ``pool_layer`` is ``device_kv[:, layer]`` ``[2, pages, page_size, H, D]``."""
-        src = pool_layer.index_select(1, m.pages)  # [2, n, ps, H, D]
-        self._split(kv)[m.blocks, :, :, m.subs] = src.permute(1, 3, 0, 2, 4)  # [n, H, 2, ps, D]
+    def _pages(self, tier_layer: torch.Tensor) -> torch.Tensor:
+        """A tier's ``layer_view`` ``[pages, C, page_size * H * D]`` as ``[pages, C, page_size, H, D]``."""
+        return tier_layer.unflatten(2, (self.page_size, self.num_kv_heads, self.head_dim))
 
-    def save(self, kv: torch.Tensor, pool_layer: torch.Tensor, m: PageMap) -> None:
+    def _blocks(self, split: torch.Tensor, run: CopyRun) -> torch.Tensor:
+        """The run's sub-blocks in vLLM's layer as ``[n, H, 2, page_size, D]`` (a view)."""
+        if self.per_block == 1:
+            return split[run.block : run.block + run.length, :, :, 0]
+        return split[run.block, :, :, run.sub : run.sub + run.length].permute(2, 0, 1, 3, 4)
+
+    def load(self, tier_layer: torch.Tensor, kv: torch.Tensor, runs: list[CopyRun]) -> None:
+        """hicache -> vLLM: one layer's pages (``tier.layer_view(layer)``) into its blocks."""
+        split, pages = self._split(kv), self._pages(tier_layer)
+        for run in runs:
+            src = pages[run.page : run.page + run.length]  # [n, C, ps, H, D]
+            self._blocks(split, run).copy_(src.permute(0, 3, 1, 2, 4))
+
+    def save(self, kv: torch.Tensor, tier_layer: torch.Tensor, runs: list[CopyRun]) -> None:
         """vLLM -> hicache, the inverse of ``load``."""
-        src = self._split(kv)[m.blocks, :, :, m.subs]  # [n, H, 2, ps, D]
-        pool_layer.index_copy_(1, m.pages, src.permute(2, 0, 3, 1, 4))  # [2, n, ps, H, D]
+        split, pages = self._split(kv), self._pages(tier_layer)
+        for run in runs:
+            src = self._blocks(split, run)  # [n, H, 2, ps, D]
+            pages[run.page : run.page + run.length].copy_(src.permute(0, 2, 3, 1, 4))

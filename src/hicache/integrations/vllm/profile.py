@@ -19,10 +19,13 @@ __all__ = ["HookProfile", "SCHEDULER_HOOKS", "WORKER_HOOKS", "thread_cpu_seconds
 #: the scheduler's hooks: ``lookup`` (a channel round trip: queued and scheduling-time lookups),
 #: ``plan`` (build_connector_meta), ``finish`` (request_finished: the channel's forget message)
 SCHEDULER_HOOKS = ("lookup", "plan", "finish")
-#: the worker's hooks: ``bind`` (a step's leases), ``load`` (before each layer's attention),
-#: ``save`` (after it: the new pages copied out), ``commit`` (the step's end), ``stats`` (vLLM's
-#: connector stats)
-WORKER_HOOKS = ("bind", "load", "save", "commit", "stats")
+#: the worker's hooks: ``bind`` (a step's leases, ``load_wait`` excluded), ``load_wait`` (in bind:
+#: waiting for pages that only storage held to arrive in the host tier), ``load`` (before each
+#: layer's attention: held pages copied into vLLM's blocks), ``save`` (after it: the new pages
+#: copied into host pages), ``commit`` (the step's end), ``stats`` (vLLM's connector stats),
+#: ``catch_up`` (on the cache's loop, inside a scheduler's lookup: waiting for the steps ended
+#: before it to be committed; part of the scheduler's ``lookup`` time, not vLLM's worker's)
+WORKER_HOOKS = ("bind", "load_wait", "load", "save", "commit", "stats", "catch_up")
 
 
 class HookProfile:

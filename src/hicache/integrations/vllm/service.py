@@ -1,9 +1,9 @@
 """The worker's asynchronous half: the ``HiCache``, the channel server, each step's leases.
 
 It runs on an event loop in a thread of the worker process (an anyio blocking portal); vLLM's
-synchronous hooks call into it through the portal. Everything a step holds (the retrieve views it
-loads from, the reservations it saves into) lives in one ``AsyncExitStack`` per step, closed when
-the step ends, whatever happened: nothing outlives its step. Prefetches started by the
+synchronous hooks call into it through the portal. Everything a step holds (the held prefixes it
+loads from, the host pages reserved for what it saves) lives in one ``AsyncExitStack`` per step,
+closed when the step ends, whatever happened: nothing outlives its step. Prefetches started by the
 scheduler's lookups are held per request and cancelled when the request finishes or is aborted.
 
 It also prepares the metrics: every ``stats_interval_s`` a snapshot of hicache's and the
@@ -39,7 +39,7 @@ from ...cache import HiCache
 from ...config import HiCacheConfig
 from ...controller.prefetch import Prefetch
 from ...errors import HiCacheError
-from ...leases import RetrieveView, SlotReservation
+from ...leases import HeldPrefix, SlotReservation
 from .channel import MAX_FRAME, encode
 from .export import connector_families
 from .export import encode as encode_families
@@ -55,6 +55,7 @@ log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers pri
 
 _RECORDS = 100_000  # per-request load records kept for tools (oldest dropped)
 _SETTLE_TIMEOUT_S = 30.0  # how long closing (or a stats call) waits for the steps vLLM ended to finish
+_CATCH_UP_S = 0.25  # how long a lookup waits for the steps vLLM ended before it (their saves) to finish
 
 
 @dataclasses.dataclass
@@ -79,10 +80,11 @@ class ConnectorCounters:
 
 @dataclasses.dataclass
 class StepLeases:
-    """The leases of one vLLM step (views to load from, reservations to save into)."""
+    """The leases of one vLLM step (held prefixes to load from, reservations to save into)."""
 
     stack: AsyncExitStack = dataclasses.field(default_factory=AsyncExitStack)
-    views: list[RetrieveView | None] = dataclasses.field(default_factory=list)
+    holds: list[HeldPrefix | _Staged | None] = dataclasses.field(default_factory=list)
+    hold_s: float = 0.0  # seconds the holds took (waiting for storage pages to reach the host tier, mostly)
     reservations: list[SlotReservation | None] = dataclasses.field(default_factory=list)
 
 
@@ -102,6 +104,8 @@ class CacheService(anyio.AsyncContextManagerMixin):
         self.scheduler_profile: dict[str, list[float]] = {}  # the scheduler's, sent with its messages
         self.payload: tuple[int, list[list[Any]]] | None = None  # (sequence, families) for vLLM's stats
         self.metrics_url: str | None = None
+        self.save_tier = "host"
+        self.staging_pages = 0  # the device tier's pages: what can stage a step's pages the host cannot take
         self._loop_thread: int | None = None
         # Steps ended by vLLM's thread (schedule_finish) and finished here, in order, by one task:
         # the scheduled count is written by that thread only, the done count by this loop only.
@@ -109,6 +113,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
         self.finishes_done = 0
         self._finishes: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._finish_wakeup = anyio.Event()
+        self._step_finished = anyio.Event()  # set (and replaced) each time a step has finished
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @asynccontextmanager
@@ -117,6 +122,10 @@ class CacheService(anyio.AsyncContextManagerMixin):
         self._loop = asyncio.get_running_loop()
         async with HiCache.from_config(self.config) as cache:
             self.cache = cache
+            # Saves go straight into host pages; only a cache without a host tier keeps them on its device tier.
+            tiers = cache.stats().tiers
+            self.save_tier = "host" if tiers["host"].capacity_pages else "device"
+            self.staging_pages = tiers["device"].capacity_pages
             try:
                 os.unlink(self.socket_path)  # a stale socket of a dead engine with the same id
             except FileNotFoundError:
@@ -282,6 +291,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
         """How many leading tokens hicache holds; with ``prefetch``, start bringing storage pages up."""
         if not tokens:
             return {"tokens": 0, "by_tier": {}}
+        await self._catch_up()
         hit = await self._cache.lookup(tokens, prefetch=prefetch)
         self.counters.lookups += 1
         if prefetch:
@@ -294,6 +304,18 @@ class CacheService(anyio.AsyncContextManagerMixin):
             self.counters.prefetches_held += 1
         # held: the request has a prefetch to end when it finishes (else the scheduler need not say)
         return {"tokens": hit.tokens, "by_tier": dict(hit.by_tier), "held": req_id in self._held}
+
+    async def _catch_up(self) -> None:
+        """Wait (briefly) for the steps vLLM ended before this lookup: a request that arrives right
+        after the one whose last step saved its prefix then finds those pages committed."""
+        target = self.finishes_scheduled
+        if self.finishes_done >= target:
+            return
+        started = time.perf_counter()
+        with anyio.move_on_after(_CATCH_UP_S):
+            while self.finishes_done < target:
+                await self._step_finished.wait()
+        self.worker_profile.add("catch_up", time.perf_counter() - started)
 
     def _take_profile(self, profile: Any) -> None:
         """The scheduler's hook profile (cumulative), sent with its forget messages."""
@@ -317,46 +339,57 @@ class CacheService(anyio.AsyncContextManagerMixin):
     # -- steps ----------------------------------------------------------------------------------
 
     async def open_step(self, loads: list[LoadSpec], saves: list[SaveSpec]) -> StepLeases:
-        """Lease what a step needs: a retrieve view per load, fresh device pages per save.
+        """Lease what a step needs: each load's pages after what vLLM holds, held where they lie
+        (``HiCache.hold``; pages only storage holds are prefetched into the host tier first), and
+        fresh pages of the host tier (the device tier without one) for each save.
 
-        A load or save that cannot be had gets ``None`` (the load is reported failed, the save
-        skipped); only a closed or failed cache raises.
+        Where the host tier cannot take a step's pages (a host smaller than a prompt, or pinned
+        full), the device tier stages them, if it is large enough (``staging_tokens``): a load
+        comes up through it run by run (``retrieve``), a save is reserved there and backed up to
+        the host run by run. A load or save that cannot be had gets ``None`` (the load is reported
+        failed, the save skipped); only a closed or failed cache raises.
         """
         step = StepLeases()
         self.open_steps += 1
-        cache = self._cache
         try:
             for spec in loads:
-                try:
-                    view = await step.stack.enter_async_context(cache.retrieve(spec.tokens))
-                except HiCacheError as exc:
-                    log.warning("hicache: retrieve for %s failed: %r", spec.req_id, exc)
-                    view = None
-                step.views.append(view)
+                started = time.perf_counter()
+                step.holds.append(await self._hold(step.stack, spec))
+                step.hold_s += time.perf_counter() - started
             for spec in saves:
-                try:
-                    res = await step.stack.enter_async_context(cache.reserve(spec.num_pages))
-                except HiCacheError as exc:
-                    log.debug("hicache: no staging room to save %d pages of %s: %r", spec.num_pages, spec.req_id, exc)
-                    self.counters.save_skipped_pages += spec.num_pages
-                    res = None
-                step.reservations.append(res)
+                step.reservations.append(await self._reserve(step.stack, spec))
         except BaseException:
             await self.close_step(step)
             raise
         return step
 
-    async def wait_layer(self, views: list[RetrieveView], layer: int) -> list[bool]:
-        """Wait until ``layer`` of every view is on the device; False for a view whose load failed."""
-        ok = []
-        for view in views:
+    async def _hold(self, stack: AsyncExitStack, spec: LoadSpec) -> HeldPrefix | _Staged | None:
+        cache = self._cache
+        ps = cache.page_size
+        try:
+            held = await stack.enter_async_context(cache.hold(spec.tokens, start=spec.first_page * ps))
+            if held.tokens >= spec.end_page * ps or self.staging_pages < 2:
+                return held
+            # The host tier could not hold the whole prefix: stage it through the device tier (the
+            # cache's hit counters then count this load's held part twice: the hold's and the retrieve's).
+            held.release()
+            view = await stack.enter_async_context(cache.retrieve(spec.tokens))
+            await view.wait_all()
+            return _Staged(view, spec.first_page, ps)
+        except HiCacheError as exc:
+            log.warning("hicache: hold for %s failed: %r", spec.req_id, exc)
+            return None
+
+    async def _reserve(self, stack: AsyncExitStack, spec: SaveSpec) -> SlotReservation | None:
+        cache = self._cache
+        tiers = [self.save_tier] + (["device"] if self.save_tier == "host" and spec.num_pages <= self.staging_pages else [])
+        for tier in tiers:
             try:
-                await view.wait_layer(layer)
-                ok.append(True)
+                return await stack.enter_async_context(cache.reserve(spec.num_pages, tier=tier))
             except HiCacheError as exc:
-                log.warning("hicache: load-back of layer %d failed: %r", layer, exc)
-                ok.append(False)
-        return ok
+                log.debug("hicache: no %s room to save %d pages of %s: %r", tier, spec.num_pages, spec.req_id, exc)
+        self.counters.save_skipped_pages += spec.num_pages
+        return None
 
     async def commit(self, step: StepLeases, saves: list[SaveSpec], skip: set[str]) -> None:
         """Publish the pages saved this step (``skip``: requests whose KV must not be kept)."""
@@ -415,6 +448,8 @@ class CacheService(anyio.AsyncContextManagerMixin):
                     log.error("hicache: a vLLM step failed to finish: %r", exc, exc_info=exc)
                 finally:
                     self.finishes_done += 1
+                    done, self._step_finished = self._step_finished, anyio.Event()
+                    done.set()
 
     async def _settle_steps(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until every step vLLM ended has finished."""
@@ -473,6 +508,34 @@ class CacheService(anyio.AsyncContextManagerMixin):
             "namespace": {"model": self.config.model.name, "revision": self.config.model.revision},
             "page_size": cache.page_size,
         }
+
+
+class _Staged:
+    """A load brought up through the device tier (``retrieve``), shaped as a ``HeldPrefix``: the
+    pages after ``first_page`` on the device tier, and which tier supplied them."""
+
+    def __init__(self, view: Any, first_page: int, page_size: int) -> None:
+        self.tokens = view.tokens
+        pages = view.device_pages[first_page:]
+        self.segments = [(view.tier, pages)] if pages else []
+        self.by_tier = _after(view.by_tier, first_page * page_size, len(pages) * page_size)
+
+
+def _after(by_tier: Any, skip: int, tokens: int) -> dict[str, int]:
+    """Split ``tokens`` after the first ``skip`` of a view's prefix by the tier that held them.
+
+    A view lists its prefix from the top tier down (device, host, then storage tiers), and the
+    prefix is laid out in that order too: device pages first, then those loaded from below.
+    """
+    out: dict[str, int] = {}
+    pos, end = 0, skip + tokens
+    for tier in ["device", "host"] + [t for t in by_tier if t not in ("device", "host")]:
+        n = int(by_tier.get(tier, 0))
+        lo, hi = max(pos, skip), min(pos + n, end)
+        if hi > lo:
+            out[tier] = hi - lo
+        pos += n
+    return out
 
 
 class _ConnectorCollector:

@@ -5,8 +5,9 @@ the model's identity and KV geometry from vLLM's model config.
 
 * ``config``: a hicache YAML file (default: the packaged defaults);
 * ``overrides``: a dict merged over it (same shape as the YAML);
-* ``staging_tokens``: tokens of the device tier (default: ``max_model_len`` plus
-  ``max_num_batched_tokens``; it only stages pages between vLLM's blocks and the host tier);
+* ``staging_tokens``: tokens of hicache's device tier (default: one vLLM block when there is a host
+  tier, which the connector copies to and from directly, else ``max_model_len`` plus
+  ``max_num_batched_tokens``: then the pages live there);
 * ``stats_interval_s``: how often the worker reports hicache's metrics through vLLM's connector
   stats, which vLLM's ``/metrics`` then exports (default 1.0; 0 turns it off);
 * ``metrics_port`` / ``metrics_host``: also serve hicache's own ``/metrics`` from the worker
@@ -211,9 +212,12 @@ def cache_config_for(
     if block_size % page_size:
         raise ConfigError(f"page_size {page_size} must divide vLLM's block_size {block_size}")
     sched = vllm_config.scheduler_config
-    staging = int(extra.get("staging_tokens") or (vllm_config.model_config.max_model_len + sched.max_num_batched_tokens))
-    staging_pages = -(-staging // page_size)
     probe = load_config(path, overrides=_merge(user, {"model": model, "parallel": parallel, "page_size": page_size}))
+    # With a host tier the connector copies between vLLM's blocks and host pages directly: the device
+    # tier then holds nothing (one block: a pool has at least a page). Without one, pages live there.
+    default = block_size if probe.tiers.host.capacity else vllm_config.model_config.max_model_len + sched.max_num_batched_tokens
+    staging = int(extra.get("staging_tokens") or default)
+    staging_pages = -(-staging // page_size)
     derived: dict[str, Any] = {
         "model": model,
         "parallel": parallel,

@@ -1,13 +1,17 @@
 """The connector's worker half: copies pages between vLLM's blocks and hicache, layer by layer.
 
-Per step (vLLM calls these in order): ``bind`` leases what the step needs (retrieve views for the
-loads, fresh device pages for the saves); before each layer's attention, ``before_layer`` waits
-for that layer of the views and copies it into vLLM's blocks; after it, ``after_layer`` copies the
-layer's new pages out into the reserved pages; ``end_step`` hands the step to the cache's loop,
-which commits the saved pages (hicache then backs them up to the host tier and storage in the
-background) and releases every lease, steps in order, while vLLM goes on with the next step. A load
-that comes up short is reported as failed blocks, which vLLM recomputes
-(``kv_load_failure_policy="recompute"``); a request whose load failed saves nothing that step.
+Per step (vLLM calls these in order): ``bind`` leases what the step needs: for each load the
+cached pages after the request's own prefix-cache hit, held where they lie (``HiCache.hold``:
+the host tier, after a storage prefetch brought them there), and for each save fresh host pages
+(``reserve(n, tier="host")``). Before each layer's attention, ``before_layer`` copies that layer of
+the held pages straight into the request's vLLM blocks; after it, ``after_layer`` copies the layer's
+new pages straight into the reserved host pages: one strided copy per run of pages, the layout
+conversion included (``layout.py``), no staging pool between. ``end_step`` hands the step to the
+cache's loop, which commits the saved pages (hicache then writes them to storage in the background)
+and releases every lease, steps in order, while vLLM goes on with the next step. A load that comes
+up short is reported as failed blocks, which vLLM recomputes (``kv_load_failure_policy=
+"recompute"``); a request whose load failed saves nothing that step. Without a host tier the
+pages live on the device tier instead, by the same path.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ...config import HiCacheConfig
 from ...errors import HiCacheError
 from .cpus import reserved_cpus, use_cpus
-from .layout import BlockLayout, PageMap
+from .layout import BlockLayout, CopyRun
 from .metadata import HiCacheMetadata, LoadSpec
 from .service import CacheService, StepLeases
 from .settings import ConnectorOptions
@@ -38,11 +42,12 @@ log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers pri
 class _Step:
     meta: HiCacheMetadata
     leases: StepLeases | None = None
-    loads: list[tuple[LoadSpec, PageMap, Any]] = field(default_factory=list)  # (spec, map, view)
-    load_map: PageMap | None = None
-    save_map: PageMap | None = None
+    # per load: (spec, [(tier, runs)], tokens loaded, tokens by tier)
+    loads: list[tuple[LoadSpec, list[tuple[Any, list[CopyRun]]], int, dict[str, int]]] = field(default_factory=list)
+    saves: list[tuple[Any, list[CopyRun]]] = field(default_factory=list)  # (tier, runs)
     failed_reqs: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)
+    recompute_from: dict[str, int] = field(default_factory=dict)  # request -> first token vLLM recomputes
 
 
 class WorkerSide:
@@ -134,13 +139,17 @@ class WorkerSide:
     # -- per step -------------------------------------------------------------------------------
 
     def bind(self, meta: HiCacheMetadata) -> None:
-        """Lease the step's views and reservations; plan the per-layer copies."""
+        """Lease the step's held prefixes and reservations; plan the per-layer copies."""
         started = time.perf_counter()
         try:
             self._bind(meta)
         finally:
             if self.service is not None:
-                self.service.worker_profile.add("bind", time.perf_counter() - started)
+                step = self._step
+                wait = step.leases.hold_s if step is not None and step.leases is not None else 0.0
+                if wait:
+                    self.service.worker_profile.add("load_wait", wait)
+                self.service.worker_profile.add("bind", time.perf_counter() - started - wait)
 
     def _bind(self, meta: HiCacheMetadata) -> None:
         if self._step is not None:
@@ -159,24 +168,28 @@ class WorkerSide:
             self._step = None
             return
         ps = self.layout.page_size
-        for spec, view in zip(meta.loads, step.leases.views):
-            got = 0 if view is None else min(view.tokens // ps, spec.end_page)
+        for spec, held in zip(meta.loads, step.leases.holds):
+            got = 0 if held is None else min(held.tokens // ps, spec.end_page)
             if got < spec.end_page:
                 log.info(
                     "hicache: load for %s came up short: %d of pages %d..%d (%s); vLLM recomputes the rest",
                     spec.req_id, max(got - spec.first_page, 0), spec.first_page, spec.end_page,
-                    "no view" if view is None else dict(view.by_tier),
+                    "nothing held" if held is None else dict(held.by_tier),
                 )
                 self._fail(step, spec, max(got, spec.first_page))
-            if view is not None and got > spec.first_page:
-                pages = view.device_pages[spec.first_page : got]
-                step.loads.append((spec, self.layout.page_map(spec.block_ids, spec.first_page, pages), view))
-        step.load_map = PageMap.concat([m for _, m, _ in step.loads])
-        maps = []
+            if held is None or got <= spec.first_page:
+                continue
+            plans, page = [], spec.first_page
+            for tier, pages in held.segments:
+                pages = pages[: got - page]
+                if pages:
+                    plans.append((tier, self.layout.runs(spec.block_ids, page, pages)))
+                    page += len(pages)
+            by_tier = {t: n for t, n in held.by_tier.items() if n}
+            step.loads.append((spec, plans, (got - spec.first_page) * ps, by_tier))
         for spec, res in zip(meta.saves, step.leases.reservations):
             if res is not None and spec.req_id not in step.failed_reqs:
-                maps.append(self.layout.page_map(spec.block_ids, spec.first_page, res.pages))
-        step.save_map = PageMap.concat(maps)
+                step.saves.append((res.tier, self.layout.runs(spec.block_ids, spec.first_page, res.pages)))
 
     def _fail(self, step: _Step, spec: LoadSpec, from_page: int) -> None:
         """Pages ``from_page..end_page`` of ``spec`` cannot be loaded: report their blocks."""
@@ -185,45 +198,44 @@ class WorkerSide:
         last_block = (spec.end_page * ps - 1) // bs
         step.failed_blocks.update(spec.block_ids[first_block : last_block + 1])
         step.failed_reqs.add(spec.req_id)
+        at = first_block * bs
+        step.recompute_from[spec.req_id] = min(at, step.recompute_from.get(spec.req_id, at))
 
     def before_layer(self, name: str) -> None:
-        """Before layer ``name``'s attention: its loaded pages go into vLLM's blocks."""
+        """Before layer ``name``'s attention: its held pages are copied into vLLM's blocks."""
         step = self._step
-        if step is None or step.load_map is None or name not in self.layers:
+        if step is None or not step.loads or name not in self.layers:
             return
         started = time.perf_counter()
+        layer, kv = self.layers[name]
         try:
-            self._load_layer(step, name)
+            for _, plans, _, _ in step.loads:
+                for tier, runs in plans:
+                    self.layout.load(tier.layer_view(layer), kv, runs)
+        except HiCacheError as exc:  # the cache closed under the step: its pages cannot be read
+            log.error("hicache: load of layer %s failed: %r; vLLM recomputes", name, exc)
+            for spec, _, _, _ in step.loads:
+                self._fail(step, spec, spec.first_page)
+            step.loads = []
         finally:
             self._service.worker_profile.add("load", time.perf_counter() - started)
 
-    def _load_layer(self, step: _Step, name: str) -> None:
-        layer, kv = self.layers[name]
-        views = [v for _, _, v in step.loads]
-        if not all(v.is_layer_ready(layer) for v in views):
-            ok = self._portal.call(self._service.wait_layer, views, layer)
-            if not all(ok):
-                keep = []
-                for (spec, m, v), good in zip(step.loads, ok):
-                    if good:
-                        keep.append((spec, m, v))
-                    else:
-                        self._fail(step, spec, spec.first_page)
-                step.loads = keep
-                step.load_map = PageMap.concat([m for _, m, _ in keep])
-                if step.load_map is None:
-                    return
-        self.layout.load(self._service.cache.device_kv[:, layer], kv, step.load_map)  # type: ignore[union-attr]
-
     def after_layer(self, name: str, kv: torch.Tensor) -> None:
-        """After layer ``name``'s attention: its new full pages go into the reserved device pages."""
+        """After layer ``name``'s attention: its new full pages are copied into the reserved pages."""
         step = self._step
-        if step is None or step.save_map is None or name not in self.layers:
+        if step is None or not step.saves or name not in self.layers:
             return
         started = time.perf_counter()
         layer, _ = self.layers[name]
-        self.layout.save(kv, self._service.cache.device_kv[:, layer], step.save_map)  # type: ignore[union-attr]
-        self._service.worker_profile.add("save", time.perf_counter() - started)
+        try:
+            for tier, runs in step.saves:
+                self.layout.save(kv, tier.layer_view(layer), runs)
+        except HiCacheError as exc:
+            log.error("hicache: save of layer %s failed: %r; the step saves nothing", name, exc)
+            step.saves = []
+            step.failed_reqs.update(spec.req_id for spec in step.meta.saves)
+        finally:
+            self._service.worker_profile.add("save", time.perf_counter() - started)
 
     def end_step(self) -> None:
         """Commit what was saved, record what was loaded, release every lease of the step."""
@@ -239,18 +251,20 @@ class WorkerSide:
     def _end_step(self, step: _Step) -> None:
         service = self._service
         ps = self.layout.page_size
-        loaded = {spec.req_id: (spec, m, v) for spec, m, v in step.loads}
+        loaded = {spec.req_id: (tokens, by_tier) for spec, _, tokens, by_tier in step.loads}
         records = []
         for spec in step.meta.loads:
-            entry = loaded.get(spec.req_id)
-            tokens = 0 if entry is None or spec.req_id in step.failed_reqs else entry[1].size * ps
-            by_tier = _attribute(entry[2].by_tier, spec.first_page * ps, tokens) if tokens else {}
+            tokens, by_tier = loaded.get(spec.req_id, (0, {}))
+            if spec.req_id in step.recompute_from:  # vLLM keeps what precedes the first failed block
+                kept = max(0, min(tokens, step.recompute_from[spec.req_id] - spec.first_page * ps))
+                by_tier = _scale(by_tier, kept, tokens)
+                tokens = kept
             failed = (spec.end_page - spec.first_page) * ps - tokens
             records.append((spec.req_id, tokens, by_tier, failed))
             if tokens:
                 log.info("hicache: loaded %d tokens for %s %s", tokens, spec.req_id, by_tier)
         self._errors |= step.failed_blocks
-        saves = step.meta.saves if step.save_map is not None else None
+        saves = step.meta.saves if step.saves else None
         service.schedule_finish(step.leases, saves, step.failed_reqs, records)  # returns at once
 
     def take_errors(self) -> set[int]:
@@ -258,20 +272,13 @@ class WorkerSide:
         return errors
 
 
-def _attribute(by_tier: Any, skip: int, tokens: int) -> dict[str, int]:
-    """Split ``tokens`` loaded after the first ``skip`` of a view's prefix by the tier that held them.
-
-    The view lists its prefix from the top tier down (device, host, then storage tiers), and the
-    prefix is laid out in that order too: device pages first, then those loaded from below.
-    """
+def _scale(by_tier: dict[str, int], kept: int, tokens: int) -> dict[str, int]:
+    """About the first ``kept`` of ``tokens`` loaded tokens, by tier (split in the tiers' order)."""
     out: dict[str, int] = {}
-    pos = 0
-    end = skip + tokens
-    order = ["device", "host"] + [t for t in by_tier if t not in ("device", "host")]
-    for tier in order:
-        n = int(by_tier.get(tier, 0))
-        lo, hi = max(pos, skip), min(pos + n, end)
-        if hi > lo:
-            out[tier] = hi - lo
-        pos += n
+    left = kept
+    for tier, n in by_tier.items():
+        if left <= 0:
+            break
+        out[tier] = min(n, left)
+        left -= out[tier]
     return out
