@@ -39,8 +39,8 @@ from hicache.keys import as_token_bytes, chain_keys  # noqa: E402
 from hicache.soak.servers import (  # noqa: E402
     ServerProcess,
     free_port,
-    mooncake_master_argv,
     mooncake_master_binary,
+    start_mooncake_master,
     valkey_argv,
     valkey_binary,
 )
@@ -142,9 +142,9 @@ def start_servers(folder: Path) -> tuple[list[ServerProcess], list[dict[str, Any
         entries.append({"kind": "redis", "name": "store", "url": f"redis://127.0.0.1:{port}/0"})
     binary = mooncake_master_binary()
     if binary:
-        rpc, http, metrics = free_port(), free_port(), free_port()
-        servers.append(ServerProcess(mooncake_master_argv(binary, rpc, http, metrics, 5000), rpc,
-                                     folder / "mooncake.log").start())
+        master = start_mooncake_master(binary, folder)
+        servers.append(master.server)
+        rpc, http = master.rpc_port, master.http_port
         entries.append({"kind": "mooncake", "name": "store", "master": f"127.0.0.1:{rpc}",
                         "metadata_server": f"http://127.0.0.1:{http}/metadata", "protocol": "tcp",
                         "local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": "16MiB"})

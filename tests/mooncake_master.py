@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hicache.soak.servers import mooncake_master_argv
-from tests.servers import ServerProcess, free_port, mooncake_master_binary, unavailable
+from hicache.soak.servers import start_mooncake_master
+from tests.servers import ServerProcess, mooncake_master_binary, unavailable
 
 __all__ = ["start_mooncake", "mooncake_client_available"]
 
@@ -34,17 +34,12 @@ def start_mooncake(workdir: Path, *, lease_ms: int = 5000, **overrides: Any) -> 
     if binary is None:
         unavailable("no mooncake_master binary (pip install mooncake-transfer-engine-non-cuda)")
         raise AssertionError("unreachable")
-    rpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
-    server = ServerProcess(
-        mooncake_master_argv(binary, rpc_port, http_port, metrics_port, lease_ms),
-        rpc_port,
-        Path(workdir) / f"mooncake-master-{rpc_port}.log",
-    )
     try:
-        server.start()
+        master = start_mooncake_master(binary, Path(workdir), lease_ms=lease_ms)
     except Exception as exc:
         unavailable(f"mooncake_master did not start: {exc}")
         raise
+    server, rpc_port, http_port, metrics_port = master.server, master.rpc_port, master.http_port, master.metrics_port
     settings: dict[str, Any] = {
         "master": f"127.0.0.1:{rpc_port}",
         "metadata_server": f"http://127.0.0.1:{http_port}/metadata",

@@ -27,8 +27,8 @@ from ..errors import ConfigError
 from .servers import (
     ServerProcess,
     free_port,
-    mooncake_master_argv,
     mooncake_master_binary,
+    start_mooncake_master,
     valkey_argv,
     valkey_binary,
 )
@@ -72,9 +72,9 @@ def started_servers(kinds: list[str], folder: Path) -> Iterator[tuple[list[Serve
                 binary = mooncake_master_binary()
                 if binary is None:
                     raise SystemExit("hicache soak: no mooncake_master found (pip install hicache[mooncake])")
-                rpc, http, metrics = free_port(), free_port(), free_port()
-                argv = mooncake_master_argv(binary, rpc, http, metrics, 5000)
-                servers.append(ServerProcess(argv, rpc, folder / "mooncake.log").start())
+                master = start_mooncake_master(binary, folder)
+                servers.append(master.server)
+                rpc, http = master.rpc_port, master.http_port
                 entries.append({"kind": "mooncake", "name": "mooncake", "master": f"127.0.0.1:{rpc}",
                                 "metadata_server": f"http://127.0.0.1:{http}/metadata", "protocol": "tcp",
                                 "local_hostname": "127.0.0.1", "global_segment_size": 0,

@@ -7,6 +7,7 @@ wheel. Each listens on 127.0.0.1 on a free port and is stopped by PID: TERM, the
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,7 +20,7 @@ from pathlib import Path
 
 __all__ = [
     "ServerProcess", "free_port", "wait_for_port", "valkey_binary", "valkey_argv", "mooncake_master_binary",
-    "mooncake_master_argv",
+    "mooncake_master_argv", "MooncakeMaster", "start_mooncake_master", "unclaimable_free_ports",
 ]
 
 
@@ -27,6 +28,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def unclaimable_free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports between 20000 and 32000: below Linux's ephemeral range (32768+),
+    so no outgoing connection is handed one between this check and the server's bind."""
+    rng = random.Random()
+    for _ in range(200):
+        ports = rng.sample(range(20000, 32000), count)
+        if all(_port_free(port) for port in ports):
+            return ports
+    raise RuntimeError(f"no {count} free ports between 20000 and 32000")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
@@ -127,3 +148,37 @@ def mooncake_master_argv(binary: str, rpc_port: int, http_port: int, metrics_por
         f"--metrics_port={metrics_port}",
         f"--default_kv_lease_ttl={lease_ms}",
     ]
+
+
+@dataclass
+class MooncakeMaster:
+    """A started ``mooncake_master`` and the three ports it listens on."""
+
+    server: ServerProcess
+    rpc_port: int
+    http_port: int
+    metrics_port: int
+
+
+def start_mooncake_master(binary: str, log_dir: Path, *, lease_ms: int = 5000, attempts: int = 3) -> MooncakeMaster:
+    """Start a master whose RPC, HTTP metadata and metrics ports all listen.
+
+    The master aborts when its metadata or metrics port is taken, sometimes after its RPC port has
+    opened; so all three are waited for, and a master that lost a port is tried again on fresh ones.
+    """
+    last: Exception | None = None
+    for _ in range(attempts):
+        rpc, http, metrics = unclaimable_free_ports(3)
+        server = ServerProcess(mooncake_master_argv(binary, rpc, http, metrics, lease_ms), rpc,
+                               Path(log_dir) / f"mooncake-master-{rpc}.log")
+        try:
+            server.start()
+            assert server.proc is not None
+            for port in (http, metrics):
+                wait_for_port(port, server.proc)
+            return MooncakeMaster(server, rpc, http, metrics)
+        except Exception as exc:  # a lost port, an early exit: try fresh ports
+            server.stop()
+            last = exc
+    raise RuntimeError(f"mooncake_master did not start in {attempts} attempts: {last}")
+
