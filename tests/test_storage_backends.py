@@ -213,7 +213,7 @@ async def test_bad_arguments_raise_typed_errors(backend_factory: BackendFactory)
 
 async def test_a_page_reported_landed_is_whole_in_its_buffers(backend_factory: BackendFactory) -> None:
     """``PageIO.landed``: called at most once per page, only for pages read (whole, at that moment),
-    from any thread; ``kind: file`` reports every page it reads."""
+    from any thread; ``kind: file`` and ``kind: nixl-peer`` report every page they read."""
     async with opened(backend_factory) as b:
         keys = [key(i) for i in range(6)]
         assert await b.set(keys[:4], [page(i) for i in range(4)]) == 4
@@ -226,7 +226,7 @@ async def test_a_page_reported_landed_is_whole_in_its_buffers(backend_factory: B
         assert all(same(out[i], page(i)) for i in range(4))
         assert all(whole for _, whole in seen) and len({i for i, _ in seen}) == len(seen)
         assert {i for i, _ in seen} <= set(range(4))
-        if type(b) is FileBackend:
+        if type(b) in (FileBackend, PeerPair):
             assert sorted(i for i, _ in seen) == [0, 1, 2, 3]
 
 
