@@ -50,7 +50,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(HERE.parent / "src"))
 
-from storage import cpu_pressure  # noqa: E402
+from storage import cores_available, cpu_pressure  # noqa: E402
 
 from hicache.keys import TenantKey  # noqa: E402
 from hicache.tiers.base import KVGeometry  # noqa: E402
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         anyio.run(serve, args)
         return 0
     print(f"cpu pressure at start: {cpu_pressure()}")
+    cores_start = cores_available()
     producer = subprocess.Popen(
         [sys.executable, __file__, "--serve", *(argv if argv is not None else sys.argv[1:])],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -221,12 +222,19 @@ def main(argv: list[str] | None = None) -> int:
     mac = "keyed BLAKE3 MACs" if args.tenant_key else "xxh3-64 checksums"
     print(f"\n{args.pages} pages x {g.page_bytes / 2**20:.2f} MiB ({total / 1e9:.2f} GB), {args.batch} pages a request, "
           f"producer and consumer processes on loopback, tier: {mac}, {args.repeat} repetitions")
-    print(f"{'path':<9}{'median GB/s':>12}{'best GB/s':>11}{'x raw (median)':>16}{'CPU s/GB (median)':>19}")
+    print(f"{'path':<9}{'median GB/s':>12}{'best GB/s':>11}{'x raw (median)':>16}{'x raw (paired)':>16}"
+          f"{'CPU s/GB (median)':>19}{'cores busy':>12}")
     raw_median = statistics.median(gbps["raw"])
     for path, values in gbps.items():
         median = statistics.median(values)
-        print(f"{path:<9}{median:>12.2f}{max(values):>11.2f}{median / raw_median:>16.2f}{cpu_per_gb[path]:>19.2f}")
-    print("(CPU: this process's, every thread; the producer's UCX progress thread is not counted)")
+        paired = statistics.median(v / r for v, r in zip(values, gbps["raw"], strict=True))
+        print(f"{path:<9}{median:>12.2f}{max(values):>11.2f}{median / raw_median:>16.2f}{paired:>16.2f}"
+              f"{cpu_per_gb[path]:>19.2f}{cpu_per_gb[path] * median:>12.2f}")
+    print("(CPU: this process's, every thread; the producer's UCX progress thread is not counted. cores busy: CPU s/GB x "
+          "GB/s, the cores the path kept busy on average)")
+    bound = cpu_per_gb["raw"] / cpu_per_gb["tier"]
+    print(f"CPU ratio raw / tier: {bound:.2f} (where the raw READ keeps every core busy, the tier's wall ratio can "
+          f"be no higher); cores this process got: {cores_start:.2f} at start, {cores_available():.2f} at end")
     print(f"\ncpu pressure at end: {cpu_pressure()}")
     return 0
 

@@ -211,6 +211,46 @@ async def test_bad_arguments_raise_typed_errors(backend_factory: BackendFactory)
         assert await b.exists([key(0)]) == 0  # nothing was written by the rejected calls
 
 
+async def test_a_page_reported_landed_is_whole_in_its_buffers(backend_factory: BackendFactory) -> None:
+    """``PageIO.landed``: called at most once per page, only for pages read (whole, at that moment),
+    from any thread; ``kind: file`` and ``kind: nixl-peer`` report every page they read."""
+    async with opened(backend_factory) as b:
+        keys = [key(i) for i in range(6)]
+        assert await b.set(keys[:4], [page(i) for i in range(4)]) == 4
+        seen: list[tuple[int, bool]] = []
+        out: list[PageIO] = []
+        for i, io in enumerate(empty(6, cuts=(1500,))):
+            # the bytes as they are when the hook runs: the page must be complete by then
+            out.append(io._replace(landed=lambda i=i: seen.append((i, same(out[i], page(i))))))
+        assert await b.get(keys, out) == 4
+        assert all(same(out[i], page(i)) for i in range(4))
+        assert all(whole for _, whole in seen) and len({i for i, _ in seen}) == len(seen)
+        assert {i for i, _ in seen} <= set(range(4))
+        if type(b) in (FileBackend, PeerPair):
+            assert sorted(i for i, _ in seen) == [0, 1, 2, 3]
+
+
+async def test_pages_are_sealed_by_backends_that_seal_and_refused_by_the_others(backend_factory: BackendFactory) -> None:
+    """``PageIO.seal`` fills the header in the writer's thread, before the page is written; a backend
+    without ``seals_pages`` refuses sealed pages (it would store blank headers)."""
+    async with opened(backend_factory) as b:
+        sealed = []
+        for i in range(3):
+            want = page(i)
+            blank = PageIO.of(np.zeros(HEADER_BYTES, np.uint8), *want.payload)
+            sealed.append(blank._replace(seal=lambda blank=blank, want=want: blank.header.__setitem__(slice(None), want.header)))
+        keys = [key(i) for i in range(3)]
+        if not type(b).seals_pages:
+            with pytest.raises(InvalidRequestError, match="does not seal"):
+                await b.set(keys, sealed)
+            assert await b.exists(keys) == 0
+            return
+        assert await b.set(keys, sealed) == 3
+        out = empty(3)
+        assert await b.get(keys, out) == 3
+        assert all(same(out[i], page(i)) for i in range(3))  # the sealed headers, as written
+
+
 # -- file backend specifics ----------------------------------------------------------------------
 
 

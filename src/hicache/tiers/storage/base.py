@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
@@ -89,10 +89,23 @@ class PageIO(NamedTuple):
     For ``get`` all are writable. A host pool lends its own memory: one piece per page when it is
     ``page_first``, one per (component, layer) when it is ``layer_first``, so a backend with
     scatter/gather I/O (``preadv``/``writev``, multi-buffer RDMA) moves each byte exactly once.
+
+    Two optional hooks let the tier's per-page work run where the page's bytes are, one thread
+    hop per batch, never one per page:
+
+    * ``seal`` (``set``, only to a backend with ``seals_pages``): fills ``header`` (checksum or MAC
+      of the payload). The backend calls it in its own worker thread right before it writes the
+      page, so one thread reads the page once for the MAC and again for the write, back to back;
+    * ``landed`` (``get``, any backend may ignore it): the backend calls it, from any thread, once
+      the whole page is in its buffers, so the tier checks the page on its codec threads while the
+      backend is still reading the next ones. The tier checks every page it did not hear of after
+      ``get`` returns: a backend that never calls it loses the overlap, nothing else.
     """
 
     header: memoryview
     payload: tuple[memoryview, ...]
+    seal: Callable[[], None] | None = None
+    landed: Callable[[], None] | None = None
 
     @classmethod
     def of(cls, header: Any, *payload: Any) -> PageIO:
@@ -184,6 +197,9 @@ class StorageBackend(ABC):
     #: Whether ``get(..., sizes=)`` works (the backend implements ``_get_sized``): pages of varying
     #: size, as a tier with a codec chain stores them.
     variable_size_pages: ClassVar[bool] = False
+    #: Whether ``set`` calls each page's ``PageIO.seal`` (in its worker thread, right before writing
+    #: the page). The tier hands sealed pages only to such backends; to others, finished headers.
+    seals_pages: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         try:
@@ -280,10 +296,13 @@ class StorageBackend(ABC):
     async def set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
         """Store ``pages`` under ``keys``; return how many consecutive pages were stored.
 
-        A page the backend failed to store is never reported as present afterwards.
+        A page the backend failed to store is never reported as present afterwards. Pages with a
+        ``seal`` go only to a backend with ``seals_pages`` (another would store blank headers).
         """
         self._check_keys(keys)
         self._check_pages(keys, pages)
+        if not type(self).seals_pages and any(io.seal is not None for io in pages):
+            raise InvalidRequestError(f"the {self.kind} backend does not seal pages: hand it finished headers")
         done = await self._transfer("set", self._set, keys, pages)
         self._pages_written += done
         self._bytes_written += sum(io.nbytes for io in pages[:done])

@@ -70,6 +70,7 @@ __all__ = ["FileBackend"]
 log = logging.getLogger(__name__)
 
 _SUFFIX = SUFFIX
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 _STALE_TMP_S = 15 * 60  # a temporary file this old belongs to a writer that died
 _PAGE_READ_ONLY = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _VAR = re.compile(r"\$(?P<name>[A-Za-z_][A-Za-z0-9_]*)")  # $VAR; ${VAR} is load_config's (strict there)
@@ -112,6 +113,7 @@ class FileBackend(StorageBackend):
     max_batch = 64
     can_list = True
     variable_size_pages = True
+    seals_pages = True  # page_files.write_pages seals each page in the writer thread that writes it
 
     class Settings(BackendSettings):
         path: str = Field(min_length=1)
@@ -362,8 +364,11 @@ class FileBackend(StorageBackend):
             self._forget(key)
         self.evicted_pages += len(victims)
         ok = [False] * len(keys)
-        workers = min(self.settings.write_threads, len(keys))
         fsync = self.settings.fsync == "always"
+        # With fsync, threads wait on the disk (and share journal commits): write_threads of them.
+        # Without, writing is CPU work (sealing each page, copying it into the page cache): more
+        # threads than cores only take turns, so one per core at most.
+        workers = min(self.settings.write_threads, len(keys), self.settings.write_threads if fsync else _CORES)
 
         async def write_share(w: int) -> None:
             share = list(range(w, len(keys), workers))

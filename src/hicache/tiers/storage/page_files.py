@@ -225,6 +225,8 @@ def read_pages(
                             return i, "size"
                         if sizes is not None:
                             sizes[i] = size
+                        if into[i].landed is not None:
+                            into[i].landed()  # the tier checks it on its codec threads while we read on
                         if touch:
                             try:
                                 os.utime(fd)  # recency survives restarts (the index is rebuilt by mtime)
@@ -247,6 +249,7 @@ def write_pages(
 ) -> list[bool]:
     """Write each page atomically (an unnamed file linked into place, or a temporary file renamed;
     fsynced before, with its folder after, under ``fsync``) in its shard; delete ``drop`` first.
+    A page with a ``seal`` gets its header from it here, just before it is written.
 
     ``write_batch`` (``kind: nixl``): writes every ``(descriptor, page)`` of the call in one go, or
     raises (then none of them is named); by default each page is written with ``writev`` as it is
@@ -274,6 +277,9 @@ def write_pages(
                     _settle(opened.pop(), places, pages, fsync, results, shards, write=True)
             if write_batch is not None and opened:
                 try:
+                    for i, _sfd, _fd, _tmp in opened:
+                        if pages[i].seal is not None:
+                            pages[i].seal()
                     write_batch([(fd, pages[i]) for i, _sfd, fd, _tmp in opened])
                 except OSError as exc:
                     log.warning("file backend: a batch of %d pages could not be written: %s", len(opened), exc)
@@ -324,6 +330,8 @@ def _settle(
     try:
         try:
             if write:
+                if pages[i].seal is not None:
+                    pages[i].seal()  # its header (checksum or MAC), from the bytes about to be written
                 _writev(fd, pages[i].buffers())
             if fsync:
                 os.fsync(fd)

@@ -3,7 +3,7 @@
 The controller speaks host pages; backends speak keys and bytes. ``StorageTier`` sits between: it
 lends the host pool's own memory as each page's payload (one piece per page for ``page_first``, one
 per component and layer for ``layer_first``), so reads land in place and writes read in place with
-no staging copy; it writes and checks headers in a worker thread (one hop per batch); and it turns
+no staging copy; it writes and checks headers off the event loop (below); and it turns
 every backend failure into a miss or an unrecorded write, counted, so a broken backend can never
 fail a request.
 
@@ -11,11 +11,20 @@ Backends never see page keys: the codec names each page (``PageCodec.storage_key
 key, a keyed hash of the page key) and the tier hands those names down, and checks every page read
 against its name, so a page stored under another name, by another tenant or by a forger is a miss.
 
-**Page work in parallel.** Encoding (checksums or MACs, and a codec chain's stages) and checking
-run off the event loop, one hop per batch, and inside the hop one task per page on the tier's
-pool of ``codec_threads`` threads (BLAKE3, OpenSSL's AES-GCM, blosc2 and torch release the GIL), so
-a batch's MACs or codecs use every core while the backend moves the previous batch. Without a codec
-chain or a key (xxh3 only) the work is light and stays on the hop's own thread.
+**Page work in parallel, where the bytes are.** Checksums or MACs (and a codec chain's stages) run
+off the event loop, never one thread hop per page:
+
+* *writes of exact pages* (no codec chain) to a backend that ``seals_pages`` (the file tier):
+  each page's header is sealed by the backend's writer thread right before it writes the page
+  (``PageIO.seal``), so the MAC and the write of a page are one thread's back-to-back work, the
+  writer threads use every core, and no encoding stage waits in front of the first write; to other
+  backends, a batch's headers are encoded on the codec threads while the previous batch is written;
+* *reads of exact pages*: each batch's checks start as its pages land (``PageIO.landed``, from the
+  backend's thread; ``page_checks.BatchChecks``), in groups of about 2 MiB on the tier's pool of
+  ``codec_threads`` threads, so pages are checked while the backend reads the next ones, and the
+  batch's result is usually ready when ``get`` returns (no hop to collect it);
+* *a codec chain*: one task per page on the same pool, a batch encoded while the previous one is
+  written, decoded after it is read (BLAKE3, OpenSSL's AES-GCM, blosc2 and torch release the GIL).
 
 **A codec chain** (``PageCodec.chain``, the tier's ``codec:`` list): pages are no longer the host
 page's own bytes. Writes encode each page into its own buffer (the chain's output) and the header
@@ -35,6 +44,7 @@ flight have ended, so the backend can be closed under nobody.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -51,6 +61,7 @@ from ...logs import RateLimited
 from ...stats import CodecStats, StorageTierStats
 from ..host import HostPool
 from .base import PageIO, StorageBackend
+from .page_checks import BatchChecks
 from .page_format import HEADER_BYTES, PageCodec
 
 T = TypeVar("T")
@@ -165,14 +176,42 @@ class StorageTier:
                 self._pieces = chunks.transpose(1, 0, 2)  # a view: page-major order of the pieces
         return self._pieces
 
-    def _page_ios(self, host_pages: Sequence[int], source: PageSource | None = None) -> list[PageIO]:
-        """Header buffers, and each host page's own memory as its payload pieces."""
+    def _page_ios(
+        self,
+        host_pages: Sequence[int],
+        source: PageSource | None = None,
+        *,
+        seal_keys: Sequence[bytes] | None = None,
+        landed: Callable[[int], Callable[[], None] | None] | None = None,
+    ) -> list[PageIO]:
+        """Header buffers, and each host page's own memory as its payload pieces.
+
+        ``seal_keys``: each page's ``seal`` encodes its header under that storage key (for a
+        backend that seals pages in its writer threads); ``landed``: each page's ``landed`` hook.
+        """
         headers = np.zeros((len(host_pages), HEADER_BYTES), dtype=np.uint8)
         pieces = self._host_pieces() if source is None else source.page_pieces()
-        return [
-            PageIO(memoryview(headers[i]), tuple(memoryview(piece) for piece in pieces[p]))
-            for i, p in enumerate(host_pages)
-        ]
+        out = []
+        encode = self.codec.encode
+        for i, p in enumerate(host_pages):
+            header = memoryview(headers[i])
+            payload = tuple(memoryview(piece) for piece in pieces[p])
+            seal = None if seal_keys is None else functools.partial(encode, seal_keys[i], payload, header)
+            out.append(PageIO(header, payload, seal, None if landed is None else landed(i)))
+        return out
+
+    def _checked_ios(
+        self, keys: Sequence[bytes], host_pages: Sequence[int], source: PageSource | None
+    ) -> tuple[list[PageIO], BatchChecks]:
+        """A batch's destinations in the host pages, and their checks, started as pages land."""
+        ios: list[PageIO] = []
+
+        def check(i: int) -> str | None:
+            return self.codec.check(keys[i], ios[i].header, ios[i].payload)
+
+        checks = BatchChecks(check, len(keys), self.codec.payload_bytes, self._submitter())
+        ios.extend(self._page_ios(host_pages, source, landed=checks.hook))
+        return ios, checks
 
     def _room(self) -> int:
         """Bytes of staging per page read through the codec chain: a header and the largest payload."""
@@ -203,6 +242,14 @@ class StorageTier:
     def _parallel(self) -> bool:
         """Whether page work is worth a task per page (MACs, codecs), not one thread per batch (xxh3)."""
         return self.codec_threads > 1 and (self.codec.keyed or self.codec.encoded)
+
+    def _submitter(self) -> Callable[..., Any] | None:
+        """The codec pool's ``submit`` for checks of pages read in place (``None``: one thread only)."""
+        if self.codec_threads < 2:
+            return None
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.codec_threads, thread_name_prefix=f"hicache-codec-{self.name}")
+        return self._pool.submit
 
     def _map(self, fn: Callable[[int], T], n: int) -> Iterable[T]:
         """``fn(0..n-1)``, in parallel on the tier's pool when that pays; results in order, lazily."""
@@ -311,7 +358,8 @@ class StorageTier:
         """Read pages ``keys`` into ``host_pages`` (allocated, not yet published) of the host pool
         (or of ``source``); verified count.
 
-        Batches are pipelined: the next batch is read while this one is verified. After each
+        Batches are pipelined: the next batch is read while this one is verified, and each page's
+        check starts as soon as the backend reports it landed. After each
         batch, ``on_batch(first, good)`` may publish its ``good`` verified pages (indices
         ``first..first+good`` of ``host_pages``) and return False to stop. Pages past the returned
         count hold garbage and are the caller's to free. A page that fails verification is counted
@@ -336,22 +384,26 @@ class StorageTier:
         starts = range(0, len(keys), self.batch_pages)
         total = 0
         coded = self.codec.encoded
-        send, receive = anyio.create_memory_object_stream[tuple[int, list[PageIO], int, list[int], Any]](1)
+        send, receive = anyio.create_memory_object_stream[
+            tuple[int, list[PageIO], int, list[int], BatchChecks | None]
+        ](1)
         held: list[np.ndarray] = []  # staging arenas of this call, back to the pool at the end
+        started: list[BatchChecks] = []  # checks of this call, every one waited for before it returns
 
         async def read_ahead() -> None:
             async with send:
                 for first in starts:
                     k = keys[first : first + self.batch_pages]
-                    arena = None
                     sizes: list[int] = []
+                    checks = None
                     if coded:
                         arena = self._take_arena(len(k))
                         held.append(arena)
                         ios = self._staging_ios(arena, len(k))
                         sizes = [0] * len(k)
                     else:
-                        ios = self._page_ios(host_pages[first : first + self.batch_pages], source)
+                        ios, checks = self._checked_ios(k, host_pages[first : first + self.batch_pages], source)
+                        started.append(checks)
                     try:
                         n = await self.backend.get(k, ios, sizes=sizes) if coded else await self.backend.get(k, ios)
                         self._succeeded()
@@ -364,7 +416,9 @@ class StorageTier:
                         # it, so it cannot make a later store skip the page as already stored.
                         await self._drop(k[n])
                     n = max(n, 0)
-                    await send.send((first, ios, n, sizes, arena))
+                    if checks is not None:
+                        checks.finish(n)  # those the backend did not report as landed
+                    await send.send((first, ios, n, sizes, checks))
                     if n < len(k):
                         return
 
@@ -375,12 +429,17 @@ class StorageTier:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(read_ahead)
                 async with receive:
-                    async for first, ios, n, sizes, _arena in receive:
+                    async for first, ios, n, sizes, checks in receive:
                         k = keys[first : first + len(ios)]
-                        good, reason, counts = await anyio.to_thread.run_sync(
-                            self._verify, k[:n], ios[:n], sizes[:n], host_pages[first : first + n], source
-                        )
-                        self._count(counts)
+                        if checks is None:  # through the codec chain: check, then decode
+                            good, reason, counts = await anyio.to_thread.run_sync(
+                                self._verify, k[:n], ios[:n], sizes[:n], host_pages[first : first + n], source
+                            )
+                            self._count(counts)
+                        elif checks.pooled and checks.settled():
+                            good, reason = checks.result(n)  # checked while the batch landed: no hop
+                        else:
+                            good, reason = await anyio.to_thread.run_sync(checks.result, n)
                         total += good
                         self.fetched_pages += good
                         if reason is not None:
@@ -392,6 +451,10 @@ class StorageTier:
         finally:
             for arena in held:
                 self._give_arena(arena)
+            busy = [checks for checks in started if not checks.settled()]
+            if busy:  # a cancelled or failed fetch: its checks still read host pages the caller will free
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(lambda: [checks.drain() for checks in busy])
         return total
 
     async def _drop_corrupt(self, key: bytes, reason: str) -> None:
@@ -414,8 +477,9 @@ class StorageTier:
         """Write ``host_pages`` (pinned by the caller) of the host pool (or of ``source``) under
         ``keys``; consecutive pages stored.
 
-        Headers (checksums or MACs) of the next batch are encoded in a worker thread while this
-        batch is written, so a MAC's CPU time hides behind the backend's I/O.
+        Headers (checksums or MACs) are sealed by the backend's writer threads page by page, or
+        (backends that do not seal, codec chains) those of the next batch are encoded on the codec
+        threads while this batch is written, so a MAC's CPU time runs beside the backend's I/O.
         """
         assert len(keys) == len(host_pages)
         if not self._enter():
@@ -432,6 +496,23 @@ class StorageTier:
         step = self.batch_pages
         starts = range(0, len(keys), step)
         total = 0
+        if type(self.backend).seals_pages and not self.codec.encoded:
+            # The backend's writer threads seal each page (its checksum or MAC) just before writing
+            # it: no encoding stage, no hop of its own, and the page is read twice back to back.
+            for start in starts:
+                k = keys[start : start + step]
+                ios = self._page_ios(host_pages[start : start + step], source, seal_keys=k)
+                try:
+                    n = await self.backend.set(k, ios)
+                    self._succeeded()
+                except StorageError as exc:
+                    self._failed(exc)
+                    return total
+                total += n
+                self.stored_pages += n
+                if n < len(k):
+                    break
+            return total
         encoded: dict[int, list[PageIO]] = {}
 
         async def encode(start: int) -> None:

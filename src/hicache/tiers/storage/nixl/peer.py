@@ -64,6 +64,11 @@ __all__ = ["NixlPeerBackend"]
 
 log = logging.getLogger(__name__)
 
+#: Bytes per UCX READ when the caller checks pages as they land: small enough that checking the
+#: first part overlaps most of the batch's transfer, large enough that a READ's set-up (tens of
+#: microseconds) is small against moving it (~3 ms at 5 GB/s).
+PART_BYTES = 16 * 2**20
+
 _HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9.-]+)):(?P<port>\d{1,5})$")
 
 
@@ -301,14 +306,23 @@ class NixlPeerBackend(StorageBackend):
             n = 0
             while n < len(pages) and fits(pages[n].size, into[n].nbytes, sizes):
                 n += 1
-            local: list[Region] = []
-            remote: list[Region] = []
-            for page, io in zip(pages[:n], into[:n], strict=True):
+            # One READ for the batch; in parts of about PART_BYTES when the caller checks pages as
+            # they land (PageIO.landed), so the first parts are checked while the next ones move.
+            split = any(io.landed is not None for io in into[:n])
+            parts: list[tuple[list[Region], list[Region], int, int]] = []
+            part_bytes = 0
+            for i, (page, io) in enumerate(zip(pages[:n], into[:n], strict=True)):
+                if not parts or (split and part_bytes >= PART_BYTES):
+                    parts.append(([], [], i, i))
+                    part_bytes = 0
+                local, remote, first, _ = parts[-1]
                 local += regions_of(io.buffers(), page.size)
                 remote += [(peer.arena_address + offset, length, 0) for offset, length in page.spans]
+                parts[-1] = (local, remote, first, i + 1)
+                part_bytes += page.size
             if n:
                 try:
-                    self._read_remote(peer, local, remote)
+                    self._read_remote(peer, parts, into)
                 except PeerFailed:
                     lease_id = 0  # the peer is down: its lease ends by itself
                     with peer.lock:
@@ -324,15 +338,24 @@ class NixlPeerBackend(StorageBackend):
                 except PeerFailed:  # PeerDown included
                     pass  # the lease ends by itself after lease_s
 
-    def _read_remote(self, peer: _Peer, local: list[Region], remote: list[Region]) -> None:
+    def _read_remote(
+        self, peer: _Peer, parts: list[tuple[list[Region], list[Region], int, int]], into: Sequence[PageIO]
+    ) -> None:
+        """READ each part (local regions, remote regions, its pages ``first..end``) in turn, the
+        destination registered once, and report each part's pages landed as soon as it is in."""
         with self._agent_lock:
             agent = self._agent
             if agent is None or peer.agent_name is None:
                 raise PeerFailed("the backend is closed")
-            registration = agent.register(list(dict.fromkeys(local)), "DRAM")
+            registration = agent.register(list(dict.fromkeys(r for part in parts for r in part[0])), "DRAM")
             try:
-                rows_l, rows_r = pair(local, remote)
-                agent.run("READ", rows_l, rows_r, peer.agent_name, deadline_s=self.settings.timeout_s)
+                deadline = time.monotonic() + self.settings.timeout_s
+                for local, remote, first, end in parts:
+                    rows_l, rows_r = pair(local, remote)
+                    agent.run("READ", rows_l, rows_r, peer.agent_name, deadline_s=max(0.0, deadline - time.monotonic()))
+                    for io in into[first:end]:
+                        if io.landed is not None:
+                            io.landed()
             except TransferFailed as exc:
                 self._fail(peer, exc)
                 raise PeerFailed(str(exc)) from exc

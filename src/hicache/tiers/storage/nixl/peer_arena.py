@@ -247,6 +247,8 @@ class PageArena:
                 _copy(regions_of(io.buffers(), page.size), [(self.base + s, n, 0) for s, n in page.spans])
                 if sizes is not None:
                     sizes[i] = page.size
+                if io.landed is not None:
+                    io.landed()
             return len(found)
         finally:
             self.release(lease_id)
