@@ -33,13 +33,14 @@ def _token_kv(kv: torch.Tensor, block: int, offset: int, bs: int) -> tuple[torch
     return rows[block, :, offset], rows[block, :, bs + offset]
 
 
-def _tier(kind: str, page_size: int, heads: int, dim: int, pages: int, layers: int = 3) -> Any:
+def _tier(kind: str, page_size: int, heads: int, dim: int, pages: int, layers: int = 3,
+          dtype: torch.dtype = torch.float32) -> Any:
     """A real memory tier of ``pages`` pages (host page-first, host layer-first or the device pool), open."""
     from hicache.tiers.base import KVGeometry
     from hicache.tiers.device import DevicePool
     from hicache.tiers.host import HostPool
 
-    geo = KVGeometry(2, layers, page_size, heads, dim, torch.float32)
+    geo = KVGeometry(2, layers, page_size, heads, dim, dtype)
     tier = DevicePool(geo, pages * geo.page_bytes, "cpu") if kind == "device" else HostPool(
         geo, pages * geo.page_bytes, layout=kind, pin_memory=False)
     tier._buffer = tier._allocate_buffer()
@@ -47,17 +48,22 @@ def _tier(kind: str, page_size: int, heads: int, dim: int, pages: int, layers: i
     return tier
 
 
+# The copies view both sides as integer words: int64 (fp32, dim 8), int32 (bf16, dim 2: a 4-byte row)
+# and int16 (fp16, dim 3: a 6-byte row); a word never straddles two heads' rows.
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.float32, 8), (torch.bfloat16, 2), (torch.float16, 3)])
 @pytest.mark.parametrize("page_size", [128, 32])
 @pytest.mark.parametrize("kind", ["page_first", "layer_first", "device"])
-def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit_exact(page_size: int, kind: str) -> None:
-    bs, heads, dim, nb, layer = 128, 3, 8, 9, 1
+def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit_exact(
+    page_size: int, kind: str, dtype: torch.dtype, dim: int
+) -> None:
+    bs, heads, nb, layer = 128, 3, 9, 1
     layout = BlockLayout(block_size=bs, page_size=page_size, num_kv_heads=heads, head_dim=dim)
     gen = torch.Generator().manual_seed(0)
-    vllm_layer = torch.randn((nb, heads, bs, 2 * dim), generator=gen)
+    vllm_layer = torch.randn((nb, heads, bs, 2 * dim), generator=gen).to(dtype)
     layout.check_layer("model.layers.0.self_attn.attn", vllm_layer)
     block_ids = [2, 3, 7]  # the request's blocks, in token order: a run of two, then one apart
     num_pages = 3 * bs // page_size
-    tier = _tier(kind, page_size, heads, dim, 10 + num_pages)
+    tier = _tier(kind, page_size, heads, dim, 10 + num_pages, dtype=dtype)
     # The first two blocks' pages consecutive, the last block's backwards: runs are found where both
     # sides are consecutive (one per block when a block holds several pages).
     two = 2 * bs // page_size

@@ -24,8 +24,10 @@ SCHEDULER_HOOKS = ("lookup", "plan", "finish")
 #: layer's attention: held pages copied into vLLM's blocks), ``save`` (after it: the new pages
 #: copied into host pages), ``commit`` (the step's end), ``stats`` (vLLM's connector stats),
 #: ``catch_up`` (on the cache's loop, inside a scheduler's lookup: waiting for the steps ended
-#: before it to be committed; part of the scheduler's ``lookup`` time, not vLLM's worker's)
-WORKER_HOOKS = ("bind", "load_wait", "load", "save", "commit", "stats", "catch_up")
+#: before it to be committed; part of the scheduler's ``lookup`` time, not vLLM's worker's),
+#: ``serve_lookup`` (on the loop: a lookup from its message to its reply, ``catch_up`` included; the
+#: scheduler's ``lookup`` less this is the channel: framing, the socket, waking the loop's thread)
+WORKER_HOOKS = ("bind", "load_wait", "load", "save", "commit", "stats", "catch_up", "serve_lookup")
 
 
 class HookProfile:

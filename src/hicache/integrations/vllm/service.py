@@ -270,8 +270,12 @@ class CacheService(anyio.AsyncContextManagerMixin):
             raise TypeError("a message is a JSON object")
         op = message.get("op")
         if op == "lookup":
+            started = time.perf_counter()
             self._take_profile(message.get("profile"))
-            return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
+            try:
+                return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
+            finally:
+                self.worker_profile.add("serve_lookup", time.perf_counter() - started)
         if op == "forget":
             self.forget(str(message["req"]))
             self._take_profile(message.get("profile"))
