@@ -43,7 +43,7 @@ from ...leases import HeldPrefix, SlotReservation
 from .channel import MAX_FRAME, encode
 from .export import connector_families
 from .export import encode as encode_families
-from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds
+from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds, threads_cpu_seconds
 from .settings import ConnectorOptions
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[CacheService]:
         self._loop_thread = threading.get_ident()
+        threading.current_thread().name = "hicache loop"  # the portal's thread: named for threads_cpu_seconds
         self._loop = asyncio.get_running_loop()
         async with HiCache.from_config(self.config) as cache:
             self.cache = cache
@@ -503,6 +504,8 @@ class CacheService(anyio.AsyncContextManagerMixin):
             "connector": _jsonable(self.counters),
             "profile": self.profiles(),
             "loop_cpu_s": self.loop_cpu_seconds(),
+            # the worker process's threads by role (the cache's loop and I/O threads, vLLM's own)
+            "threads_cpu_s": threads_cpu_seconds(),
             "metrics_url": self.metrics_url,
             "cache": _jsonable(cache.stats()),
             "held_prefetches": len(self._held),
