@@ -15,7 +15,7 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 from hicache import ConfigError, UnsupportedModelError, load_config
-from hicache.integrations.vllm.channel import ChannelClient, encode, socket_path
+from hicache.integrations.vllm.channel import ChannelClient, encode, pack_tokens, socket_path, unpack_tokens
 from hicache.integrations.vllm.export import decode
 from hicache.integrations.vllm.export import encode as encode_families
 from hicache.integrations.vllm.layout import BlockLayout
@@ -200,14 +200,20 @@ def test_the_scheduler_learns_what_the_worker_holds_over_the_channel(tmp_path: P
         portal.call(service.cache.store, tokens[:32], make_kv(config, 32))
         reply = client.call({"op": "lookup", "req": "a", "tokens": tokens, "prefetch": False})
         assert reply is not None and reply["tokens"] == 32
+        # The scheduler sends token ids packed (base64 of int64s): the same answer.
+        assert client.call({"op": "lookup", "req": "a", "tokens": pack_tokens(tokens), "prefetch": False}) == reply
+        assert unpack_tokens(pack_tokens(tokens)) == bytearray(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
         # A bad message is answered with an error (a miss for the caller); the service goes on.
         assert client.call({"op": "lookup", "req": "a", "tokens": [-1]}) is None
+        assert client.call({"op": "lookup", "req": "a", "tokens": pack_tokens([5, -1])}) is None
+        assert client.call({"op": "lookup", "req": "a", "tokens": "not base64!"}) is None
+        assert client.call({"op": "lookup", "req": "a", "tokens": "AAAA"}) is None  # 3 bytes: not whole int64s
         raw = socket.socket(socket.AF_UNIX)
         raw.connect(path)
         raw.sendall(encode({"op": "nonsense"})[:3])  # a torn frame, then the peer leaves
         raw.close()
         stats = client.call({"op": "stats"})
-        assert stats is not None and stats["connector"]["lookups"] == 2 and stats["open_steps"] == 0
+        assert stats is not None and stats["connector"]["lookups"] == 3 and stats["open_steps"] == 0
         client.close()
     # The worker is gone: the call fails within its bound and is a miss, never an exception.
     gone = ChannelClient(path, timeout_s=1, connect_timeout_s=0.2)

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .channel import ChannelClient
+from .channel import ChannelClient, pack_tokens
 from .metadata import HiCacheMetadata, LoadSpec, SaveSpec
 from .profile import SCHEDULER_HOOKS, HookProfile
 from .ranks import RankChannels
@@ -72,7 +72,7 @@ class SchedulerSide:
         if usable <= 0:
             return 0
         started = time.perf_counter()
-        tokens = list(request.all_token_ids[:usable])
+        tokens = pack_tokens(request.all_token_ids[:usable])
         reply = self.client.call({"op": "lookup", "req": request.request_id, "tokens": tokens, "prefetch": prefetch,
                                   "profile": self.profile.snapshot()})
         if prefetch and (reply is None or reply.get("held", True)):

@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import torch
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -40,7 +41,7 @@ from ...config import HiCacheConfig
 from ...controller.prefetch import Prefetch
 from ...errors import HiCacheError
 from ...leases import HeldPrefix, SlotReservation
-from .channel import MAX_FRAME, encode
+from .channel import MAX_FRAME, encode, unpack_tokens
 from .export import connector_families
 from .export import encode as encode_families
 from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds, threads_cpu_seconds
@@ -274,7 +275,10 @@ class CacheService(anyio.AsyncContextManagerMixin):
             started = time.perf_counter()
             self._take_profile(message.get("profile"))
             try:
-                return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
+                tokens = message["tokens"]
+                if isinstance(tokens, str):  # packed (pack_tokens): a tensor over the bytes, no list
+                    tokens = torch.frombuffer(unpack_tokens(tokens), dtype=torch.int64) if tokens else []
+                return await self.lookup(str(message["req"]), tokens, bool(message.get("prefetch")))
             finally:
                 self.worker_profile.add("serve_lookup", time.perf_counter() - started)
         if op == "forget":
@@ -292,9 +296,9 @@ class CacheService(anyio.AsyncContextManagerMixin):
 
     # -- scheduler requests ---------------------------------------------------------------------
 
-    async def lookup(self, req_id: str, tokens: list[int], prefetch: bool) -> dict[str, Any]:
+    async def lookup(self, req_id: str, tokens: list[int] | torch.Tensor, prefetch: bool) -> dict[str, Any]:
         """How many leading tokens hicache holds; with ``prefetch``, start bringing storage pages up."""
-        if not tokens:
+        if not len(tokens):
             return {"tokens": 0, "by_tier": {}}
         await self._catch_up()
         hit = await self._cache.lookup(tokens, prefetch=prefetch)
