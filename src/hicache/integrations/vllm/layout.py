@@ -15,12 +15,23 @@ no copy), the copy between a tier's pages and vLLM's blocks is one strided ``cop
 allocated in runs on both sides, so a request's prefix is a few runs; a run of one page still
 costs one copy. Measured here (SmolLM2's geometry, 60 pages, one layer): 0.6 ms per direction by
 runs, against 2.2-8 ms for a gather through index tensors (which copies twice).
+
+On the CPU the copies run in numpy, over integer views of both sides (the widest word that divides
+a head's row: int64 for most geometries; numpy has no bfloat16, and a copy needs no arithmetic).
+numpy copies on the calling thread: torch's ``copy_`` splits a copy of a page's layer (49,152
+floats for SmolLM2, over its 32,768-element grain) across vLLM's OpenMP threads, and under
+``OMP_WAIT_POLICY=PASSIVE`` each such copy wakes a sleeping thread (bound to the other core, maybe
+busy with the cache's own threads): one page of one layer took 40-90 us that way against 15 us in
+numpy (``benchmarks/vllm_copies.py``). The views are made once (``blocks_view``, ``pages_view``);
+a copy is then numpy slicing and one ``copyto`` per run.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from ...errors import UnsupportedModelError
@@ -83,31 +94,71 @@ class BlockLayout:
             out.append(CopyRun(block, sub, page, 1))
         return out
 
-    def _split(self, kv: torch.Tensor) -> torch.Tensor:
-        """``[num_blocks, H, 2, per_block, page_size, D]``: a view of a vLLM layer."""
-        nb = kv.shape[0]
-        return kv.view(nb, self.num_kv_heads, 2, self.per_block, self.page_size, self.head_dim)
+    # -- views ----------------------------------------------------------------------------------
 
-    def _pages(self, tier_layer: torch.Tensor) -> torch.Tensor:
-        """A tier's ``layer_view`` ``[pages, C, page_size * H * D]`` as ``[pages, C, page_size, H, D]``."""
-        return tier_layer.unflatten(2, (self.page_size, self.num_kv_heads, self.head_dim))
+    def _words(self, t: torch.Tensor, shape: tuple[int, ...]) -> Any:
+        """``t`` viewed as integer words, shaped ``shape`` (its last axis, ``head_dim``, in words): a
+        numpy array on the CPU, a tensor elsewhere. The widest word that divides a head's row and
+        ``t``'s offsets and strides; always a view (torch's ``view`` raises where it cannot be one)."""
+        size = t.element_size()
+        for word in _WORDS:
+            per = word.itemsize // size
+            if word.itemsize < size or self.head_dim % max(per, 1):
+                continue
+            try:
+                v = t.view(word).view(*shape[:-1], shape[-1] // per)
+            except RuntimeError:  # an offset or stride the wider word does not divide
+                continue
+            return v.numpy() if v.device.type == "cpu" else v
+        raise UnsupportedModelError(f"KV of {t.dtype} cannot be viewed as integer words")
 
-    def _blocks(self, split: torch.Tensor, run: CopyRun) -> torch.Tensor:
-        """The run's sub-blocks in vLLM's layer as ``[n, H, 2, page_size, D]`` (a view)."""
+    def blocks_view(self, kv: torch.Tensor) -> Any:
+        """A vLLM layer as ``[num_blocks, H, 2, per_block, page_size, D]`` (D in words)."""
+        shape = (kv.shape[0], self.num_kv_heads, 2, self.per_block, self.page_size, self.head_dim)
+        return self._words(kv, shape)
+
+    def pages_view(self, tier_layer: torch.Tensor) -> Any:
+        """A tier's ``layer_view`` ``[pages, C, page_size * H * D]`` as ``[pages, C, page_size, H, D]``
+        (D in words)."""
+        shape = (tier_layer.shape[0], tier_layer.shape[1], self.page_size, self.num_kv_heads, self.head_dim)
+        return self._words(tier_layer, shape)
+
+    def _blocks(self, blocks: Any, run: CopyRun) -> Any:
+        """The run's sub-blocks in a ``blocks_view`` as ``[n, H, 2, page_size, D]`` (a view)."""
         if self.per_block == 1:
-            return split[run.block : run.block + run.length, :, :, 0]
-        return split[run.block, :, :, run.sub : run.sub + run.length].permute(2, 0, 1, 3, 4)
+            return blocks[run.block : run.block + run.length, :, :, 0]
+        return _permute(blocks[run.block, :, :, run.sub : run.sub + run.length], (2, 0, 1, 3, 4))
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def copy_in(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> None:
+        """hicache -> vLLM: a ``pages_view``'s pages into a ``blocks_view``'s blocks."""
+        for run in runs:
+            _copy(self._blocks(blocks, run), _permute(pages[run.page : run.page + run.length], (0, 3, 1, 2, 4)))
+
+    def copy_out(self, blocks: Any, pages: Any, runs: list[CopyRun]) -> None:
+        """vLLM -> hicache, the inverse of ``copy_in``."""
+        for run in runs:
+            _copy(pages[run.page : run.page + run.length], _permute(self._blocks(blocks, run), (0, 2, 3, 1, 4)))
 
     def load(self, tier_layer: torch.Tensor, kv: torch.Tensor, runs: list[CopyRun]) -> None:
         """hicache -> vLLM: one layer's pages (``tier.layer_view(layer)``) into its blocks."""
-        split, pages = self._split(kv), self._pages(tier_layer)
-        for run in runs:
-            src = pages[run.page : run.page + run.length]  # [n, C, ps, H, D]
-            self._blocks(split, run).copy_(src.permute(0, 3, 1, 2, 4))
+        self.copy_in(self.pages_view(tier_layer), self.blocks_view(kv), runs)
 
     def save(self, kv: torch.Tensor, tier_layer: torch.Tensor, runs: list[CopyRun]) -> None:
         """vLLM -> hicache, the inverse of ``load``."""
-        split, pages = self._split(kv), self._pages(tier_layer)
-        for run in runs:
-            src = self._blocks(split, run)  # [n, H, 2, ps, D]
-            pages[run.page : run.page + run.length].copy_(src.permute(0, 2, 3, 1, 4))
+        self.copy_out(self.blocks_view(kv), self.pages_view(tier_layer), runs)
+
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _permute(a: Any, axes: tuple[int, ...]) -> Any:
+    return a.transpose(axes) if isinstance(a, np.ndarray) else a.permute(*axes)
+
+
+def _copy(dst: Any, src: Any) -> None:
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, src, casting="no")
+    else:
+        dst.copy_(src)

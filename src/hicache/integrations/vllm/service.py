@@ -32,6 +32,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import torch
 from anyio.abc import SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -40,10 +41,10 @@ from ...config import HiCacheConfig
 from ...controller.prefetch import Prefetch
 from ...errors import HiCacheError
 from ...leases import HeldPrefix, SlotReservation
-from .channel import MAX_FRAME, encode
+from .channel import MAX_FRAME, encode, unpack_tokens
 from .export import connector_families
 from .export import encode as encode_families
-from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds
+from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds, threads_cpu_seconds
 from .settings import ConnectorOptions
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[CacheService]:
         self._loop_thread = threading.get_ident()
+        threading.current_thread().name = "hicache loop"  # the portal's thread: named for threads_cpu_seconds
         self._loop = asyncio.get_running_loop()
         async with HiCache.from_config(self.config) as cache:
             self.cache = cache
@@ -270,8 +272,15 @@ class CacheService(anyio.AsyncContextManagerMixin):
             raise TypeError("a message is a JSON object")
         op = message.get("op")
         if op == "lookup":
+            started = time.perf_counter()
             self._take_profile(message.get("profile"))
-            return await self.lookup(str(message["req"]), message["tokens"], bool(message.get("prefetch")))
+            try:
+                tokens = message["tokens"]
+                if isinstance(tokens, str):  # packed (pack_tokens): a tensor over the bytes, no list
+                    tokens = torch.frombuffer(unpack_tokens(tokens), dtype=torch.int64) if tokens else []
+                return await self.lookup(str(message["req"]), tokens, bool(message.get("prefetch")))
+            finally:
+                self.worker_profile.add("serve_lookup", time.perf_counter() - started)
         if op == "forget":
             self.forget(str(message["req"]))
             self._take_profile(message.get("profile"))
@@ -287,9 +296,9 @@ class CacheService(anyio.AsyncContextManagerMixin):
 
     # -- scheduler requests ---------------------------------------------------------------------
 
-    async def lookup(self, req_id: str, tokens: list[int], prefetch: bool) -> dict[str, Any]:
+    async def lookup(self, req_id: str, tokens: list[int] | torch.Tensor, prefetch: bool) -> dict[str, Any]:
         """How many leading tokens hicache holds; with ``prefetch``, start bringing storage pages up."""
-        if not tokens:
+        if not len(tokens):
             return {"tokens": 0, "by_tier": {}}
         await self._catch_up()
         hit = await self._cache.lookup(tokens, prefetch=prefetch)
@@ -499,6 +508,8 @@ class CacheService(anyio.AsyncContextManagerMixin):
             "connector": _jsonable(self.counters),
             "profile": self.profiles(),
             "loop_cpu_s": self.loop_cpu_seconds(),
+            # the worker process's threads by role (the cache's loop and I/O threads, vLLM's own)
+            "threads_cpu_s": threads_cpu_seconds(),
             "metrics_url": self.metrics_url,
             "cache": _jsonable(cache.stats()),
             "held_prefetches": len(self._held),

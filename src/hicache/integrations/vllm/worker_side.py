@@ -42,9 +42,9 @@ log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers pri
 class _Step:
     meta: HiCacheMetadata
     leases: StepLeases | None = None
-    # per load: (spec, [(tier, runs)], tokens loaded, tokens by tier)
-    loads: list[tuple[LoadSpec, list[tuple[Any, list[CopyRun]]], int, dict[str, int]]] = field(default_factory=list)
-    saves: list[tuple[Any, list[CopyRun]]] = field(default_factory=list)  # (tier, runs)
+    # per load: (spec, [(the tier's pages_view per layer, runs)], tokens loaded, tokens by tier)
+    loads: list[tuple[LoadSpec, list[tuple[list[Any], list[CopyRun]]], int, dict[str, int]]] = field(default_factory=list)
+    saves: list[tuple[list[Any], list[CopyRun]]] = field(default_factory=list)  # (pages_view per layer, runs)
     failed_reqs: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)
     recompute_from: dict[str, int] = field(default_factory=dict)  # request -> first token vLLM recomputes
@@ -65,7 +65,8 @@ class WorkerSide:
             head_dim=config.model.head_dim,
         )
         self.socket_path = socket_path
-        self.layers: dict[str, tuple[int, torch.Tensor]] = {}
+        self.layers: dict[str, tuple[int, Any]] = {}  # name -> (layer index, its blocks_view)
+        self._pages: dict[int, tuple[torch.Tensor, list[Any]]] = {}  # id(tier) -> (its buffer, pages_view per layer)
         self._exit = ExitStack()
         self.portal: BlockingPortal | None = None
         self.service: CacheService | None = None
@@ -83,7 +84,7 @@ class WorkerSide:
             log.warning("hicache: vLLM has %d KV layers, the model config %d", len(kv_caches), self.config.model.num_layers)
         for name, kv in kv_caches.items():
             self.layout.check_layer(name, kv)
-            self.layers[name] = (extract_layer_index(name), kv)
+            self.layers[name] = (extract_layer_index(name), self.layout.blocks_view(kv))
         try:
             self.portal = self._exit.enter_context(start_blocking_portal())
             cpus = reserved_cpus()
@@ -112,6 +113,7 @@ class WorkerSide:
         self._exit.close()
         self.portal = None
         self.service = None
+        self._pages.clear()
 
     def take_export(self) -> list[Any] | None:
         """The service's newest metrics export, if vLLM has not had it yet (never waits on the loop)."""
@@ -167,7 +169,19 @@ class WorkerSide:
             self._errors |= step.failed_blocks
             self._step = None
             return
-        ps = self.layout.page_size
+        try:
+            self._plan(step)
+        except HiCacheError as exc:  # a tier closed under the step: nothing is copied, vLLM recomputes
+            log.error("hicache: step not served: %r", exc)
+            for spec in meta.loads:
+                self._fail(step, spec, spec.first_page)
+            step.loads, step.saves = [], []
+            step.failed_reqs.update(spec.req_id for spec in meta.saves)
+
+    def _plan(self, step: _Step) -> None:
+        """The step's copies, per load and save: the pages' views and the runs between them and vLLM's blocks."""
+        assert step.leases is not None
+        meta, ps = step.meta, self.layout.page_size
         for spec, held in zip(meta.loads, step.leases.holds):
             got = 0 if held is None else min(held.tokens // ps, spec.end_page)
             if got < spec.end_page:
@@ -183,13 +197,22 @@ class WorkerSide:
             for tier, pages in held.segments:
                 pages = pages[: got - page]
                 if pages:
-                    plans.append((tier, self.layout.runs(spec.block_ids, page, pages)))
+                    plans.append((self._views(tier), self.layout.runs(spec.block_ids, page, pages)))
                     page += len(pages)
             by_tier = {t: n for t, n in held.by_tier.items() if n}
             step.loads.append((spec, plans, (got - spec.first_page) * ps, by_tier))
         for spec, res in zip(meta.saves, step.leases.reservations):
             if res is not None and spec.req_id not in step.failed_reqs:
-                step.saves.append((res.tier, self.layout.runs(spec.block_ids, spec.first_page, res.pages)))
+                step.saves.append((self._views(res.tier), self.layout.runs(spec.block_ids, spec.first_page, res.pages)))
+
+    def _views(self, tier: Any) -> list[Any]:
+        """``tier``'s pages as ``pages_view`` per layer, made once (a tier's buffer lives as long as the cache)."""
+        buffer = tier.buffer  # raises CacheClosedError once the tier has closed
+        got = self._pages.get(id(tier))
+        if got is None or got[0] is not buffer:
+            got = (buffer, [self.layout.pages_view(tier.layer_view(i)) for i in range(tier.geometry.num_layers)])
+            self._pages[id(tier)] = got
+        return got[1]
 
     def _fail(self, step: _Step, spec: LoadSpec, from_page: int) -> None:
         """Pages ``from_page..end_page`` of ``spec`` cannot be loaded: report their blocks."""
@@ -207,11 +230,11 @@ class WorkerSide:
         if step is None or not step.loads or name not in self.layers:
             return
         started = time.perf_counter()
-        layer, kv = self.layers[name]
+        layer, blocks = self.layers[name]
         try:
             for _, plans, _, _ in step.loads:
-                for tier, runs in plans:
-                    self.layout.load(tier.layer_view(layer), kv, runs)
+                for pages, runs in plans:
+                    self.layout.copy_in(pages[layer], blocks, runs)
         except HiCacheError as exc:  # the cache closed under the step: its pages cannot be read
             log.error("hicache: load of layer %s failed: %r; vLLM recomputes", name, exc)
             for spec, _, _, _ in step.loads:
@@ -226,10 +249,10 @@ class WorkerSide:
         if step is None or not step.saves or name not in self.layers:
             return
         started = time.perf_counter()
-        layer, _ = self.layers[name]
+        layer, blocks = self.layers[name]
         try:
-            for tier, runs in step.saves:
-                self.layout.save(kv, tier.layer_view(layer), runs)
+            for pages, runs in step.saves:
+                self.layout.copy_out(blocks, pages[layer], runs)
         except HiCacheError as exc:
             log.error("hicache: save of layer %s failed: %r; the step saves nothing", name, exc)
             step.saves = []
