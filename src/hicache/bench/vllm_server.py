@@ -56,6 +56,7 @@ class VllmServer:
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0  # seconds the start took (to /health answering)
+    _began: float = 0.0
 
     @property
     def url(self) -> str:
@@ -66,17 +67,29 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         """Start the process and wait until ``/health`` answers; ``RuntimeError`` with the log's tail if not."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> VllmServer:
+        """Start the process without waiting for it (``wait_ready`` waits): several servers then
+        start side by side. Call from the thread that stops it: the child is signalled when the
+        thread that started it ends (``PR_SET_PDEATHSIG``)."""
         self.port = self.port or free_port()
         env = dict(os.environ)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it overrides --kv-cache-memory-bytes
         env.update(self.env)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        began = time.monotonic()
+        self._began = time.monotonic()
         with open(self.log, "wb") as out:
             # Its own process group (stop() kills what vLLM leaves of it), and a SIGTERM to it if this
             # process dies without stopping it: a benchmark killed midway leaves no server running.
             self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True, preexec_fn=_term_with_parent)
+        return self
+
+    def wait_ready(self) -> VllmServer:
+        """Wait until the launched server's ``/health`` answers (stopping it if it never does)."""
+        assert self.proc is not None, "launch() first"
         try:
             while True:
                 if self.proc.poll() is not None:
@@ -85,15 +98,22 @@ class VllmServer:
                     with urllib.request.urlopen(self.url + "/health", timeout=5):
                         break
                 except (urllib.error.URLError, OSError):
-                    if time.monotonic() - began > self.start_timeout_s:
+                    if time.monotonic() - self._began > self.start_timeout_s:
                         raise RuntimeError(f"{self.name}: not up after {self.start_timeout_s:.0f} s; log tail:\n"
                                            f"{self.tail()}") from None
                     time.sleep(1.0)
         except BaseException:
             self.stop()
             raise
-        self.started_s = time.monotonic() - began
+        self.started_s = time.monotonic() - self._began
         return self
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group at once (a crash: nothing drains)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
 
     def tail(self, chars: int = 4000) -> str:
         try:
@@ -175,6 +195,7 @@ class ServerSet:
 
     servers: list[VllmServer]
     proxy_url: str | None = None
+    side_by_side: bool = False  # start the servers at once (a prefill/decode pair), not one after the other
 
     @property
     def url(self) -> str:
@@ -187,8 +208,14 @@ class ServerSet:
     def __enter__(self) -> ServerSet:
         started: list[VllmServer] = []
         try:
-            for server in self.servers:
-                started.append(server.start())
+            if self.side_by_side:
+                for server in self.servers:
+                    started.append(server.launch())
+                for server in self.servers:
+                    server.wait_ready()
+            else:
+                for server in self.servers:
+                    started.append(server.start())
         except BaseException:
             for server in reversed(started):
                 server.stop()
