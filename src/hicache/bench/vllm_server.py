@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["ServerSet", "VllmServer", "free_port", "vllm_command"]
+__all__ = ["ProxyProcess", "ServerSet", "VllmServer", "free_port", "vllm_command"]
 
 
 def free_port() -> int:
@@ -188,6 +188,63 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 @dataclass
+class ProxyProcess:
+    """``hicache pd-proxy`` in front of prefill and decode servers, as a process of its own (the
+    command a user runs: ``python -m hicache.cli pd-proxy`` of this interpreter), on loopback."""
+
+    prefill: list[str]
+    decode: list[str]
+    log: Path
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    start_timeout_s: float = 60.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ProxyProcess:
+        self.port = self.port or free_port()
+        cmd = [sys.executable, "-m", "hicache.cli", "pd-proxy", "--prefill", ",".join(self.prefill),
+               "--decode", ",".join(self.decode), "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_term_with_parent)
+        began = time.monotonic()
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"pd-proxy exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=5):
+                        return self
+                except (urllib.error.URLError, OSError):
+                    if time.monotonic() - began > self.start_timeout_s:
+                        raise RuntimeError(f"pd-proxy not up after {self.start_timeout_s:.0f} s") from None
+                    time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def health(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass
 class ServerSet:
     """The servers one configuration runs and the URL its clients send to (``url``: the first
     server's unless a proxy in front of them is given). ``with ServerSet(...)`` starts them in
@@ -196,9 +253,12 @@ class ServerSet:
     servers: list[VllmServer]
     proxy_url: str | None = None
     side_by_side: bool = False  # start the servers at once (a prefill/decode pair), not one after the other
+    proxy: ProxyProcess | None = None  # started once the servers are up, stopped first
 
     @property
     def url(self) -> str:
+        if self.proxy is not None:
+            return self.proxy.url
         return self.proxy_url or self.servers[0].url
 
     @property
@@ -216,6 +276,8 @@ class ServerSet:
             else:
                 for server in self.servers:
                     started.append(server.start())
+            if self.proxy is not None:
+                self.proxy.start()
         except BaseException:
             for server in reversed(started):
                 server.stop()
@@ -223,5 +285,7 @@ class ServerSet:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
         for server in reversed(self.servers):
             server.stop()

@@ -204,6 +204,14 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, num_external_tokens, blocks)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """A prefill server's hand-off counts as ``p2p`` in vLLM's metrics; hicache's own tiers as ``host``."""
+        if num_external_tokens == 0:
+            return {}
+        assert self.scheduler is not None
+        source = CacheHitSource.P2P if self.scheduler.receiving(request.request_id) else CacheHitSource.HOST
+        return {source: num_external_tokens}
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_meta(scheduler_output)

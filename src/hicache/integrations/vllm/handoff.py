@@ -114,6 +114,7 @@ class Handoffs:
         self._sent: set[str] = set()  # done, not yet reported
         self._finished: set[str] = set()  # vLLM said finished, the send not done yet
         self._received: list[ReceiveOutcome] = []
+        self._ready = threading.Event()  # set when a send or receive is done, for a waiting ``take``
 
     @property
     def _cache(self) -> Any:
@@ -167,6 +168,7 @@ class Handoffs:
             with self._lock:
                 self._sending.discard(req_id)
                 self._sent.add(req_id)
+            self._ready.set()
 
     # -- consumer -------------------------------------------------------------------------------
 
@@ -213,8 +215,10 @@ class Handoffs:
         """vLLM gave the request its blocks (the step's metadata): copy the pages in when they are here."""
         if spec.req_id in self._forgotten:  # finished or aborted before its blocks were given: nothing to copy
             self._forgotten.pop(spec.req_id)
+            self.service.counters.pd_receive_failures += 1
             with self._lock:
                 self._received.append(ReceiveOutcome(spec, spec.first_page))
+            self._ready.set()
             return
         rec = self._receives.get(spec.req_id)
         if rec is None:  # its queued lookup went unanswered: wait for the pages from now
@@ -278,6 +282,7 @@ class Handoffs:
             self.service.record_loads([(rec.req_id, loaded, by_tier, missing)])
             with self._lock:
                 self._received.append(ReceiveOutcome(spec, pos))
+            self._ready.set()
 
     def forget(self, req_id: str, *, finished: bool = True) -> None:
         """The request finished or was aborted (``finished``), or vLLM holds its prefix itself: end its receive."""
@@ -294,8 +299,17 @@ class Handoffs:
 
     # -- for vLLM's thread ------------------------------------------------------------------------
 
-    def take(self, finished_req_ids: set[str]) -> tuple[set[str], list[ReceiveOutcome]]:
-        """Sends done (of requests vLLM has said finished) and receives done since the last call."""
+    def take(self, finished_req_ids: set[str], wait_s: float = 0.0) -> tuple[set[str], list[ReceiveOutcome]]:
+        """Sends done (of requests vLLM has said finished) and receives done since the last call.
+
+        ``wait_s``: with nothing done but hand-offs in flight, wait that long for one to end. vLLM
+        steps without a forward while requests only wait for transfers, calling this every few
+        hundred microseconds: a short wait here keeps that loop from spinning two cores, and a
+        transfer that ends wakes it at once.
+        """
+        if wait_s > 0 and not self._ready.is_set() and (self._sends or self._receives):
+            self._ready.wait(wait_s)
+        self._ready.clear()
         with self._lock:
             for rid in finished_req_ids:
                 if rid in self._sending or rid in self._sent:

@@ -179,6 +179,10 @@ class SchedulerSide:
             stored_pages=self._hits.pop(request.request_id, 0) // self.page_size,
         )
 
+    def receiving(self, req_id: str) -> bool:
+        """Whether ``req_id``'s external tokens come from a prefill server (planned this step)."""
+        return any(spec.req_id == req_id for spec in self._receives)
+
     def build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         started = time.perf_counter()
         try:

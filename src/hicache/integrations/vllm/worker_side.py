@@ -37,6 +37,9 @@ __all__ = ["WorkerSide"]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
+_IDLE_STEP_S = 0.002  # get_finished called again this soon: vLLM is stepping without a forward
+_IDLE_STEP_WAIT_S = 0.005  # how long such a call may wait for a hand-off to end
+
 
 @dataclass
 class _Step:
@@ -72,6 +75,7 @@ class WorkerSide:
         self._step: _Step | None = None
         self._errors: set[int] = set()
         self._exported = 0  # sequence number of the last export handed to vLLM
+        self._last_finished_call = 0.0  # when vLLM last asked for finished hand-offs (perf_counter)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -281,7 +285,12 @@ class WorkerSide:
         service = self.service
         if service is None:
             return set(), set()
-        sent, received = service.handoffs.take(finished_req_ids)
+        now = time.perf_counter()
+        # Asked again within a millisecond or two: a step without a forward (requests only waiting
+        # for transfers): let the call wait a little for one to end instead of spinning.
+        wait = _IDLE_STEP_WAIT_S if now - self._last_finished_call < _IDLE_STEP_S else 0.0
+        self._last_finished_call = now
+        sent, received = service.handoffs.take(finished_req_ids, wait)
         ps, bs = self.layout.page_size, self.layout.block_size
         for outcome in received:
             spec = outcome.spec
