@@ -27,6 +27,7 @@ import torch
 
 from .config import StorageTierConfig
 from .controller.loadback import bring_up
+from .controller.persist import persist
 from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
 from .leases import HeldPrefix, Lease, RetrieveView, SlotReservation
@@ -441,6 +442,35 @@ class HiCache(anyio.AsyncContextManagerMixin):
         return HeldPrefix(
             tokens=hit_pages * ps, start=start, by_tier=by_tier, segments=segments, pin=pin, check_open=ctl.check_open,
         )
+
+    # -- durability -------------------------------------------------------------------------------
+
+    async def persist(self, tokens: Any, *, tier: str | None = None) -> int:
+        """Make the cached prefix of ``tokens`` durable in storage tier ``tier``; the leading tokens
+        (whole pages) that tier holds then, as the tier itself answers.
+
+        For a hand-off (a prefill server telling a decode server that a prompt's KV is there):
+        the prefix's host pages nobody wrote yet are written, writes already queued for it are
+        waited for, and pages the tier has lost since they were written are written again (see
+        ``controller/persist.py``). ``tier``: a storage tier's name (default: the first that takes
+        writes). Unbounded by itself: wrap it in a timeout. ``ConfigError`` for an unknown tier.
+        """
+        ctl = self.controller
+        ctl.check_open()
+        tb = as_token_bytes(tokens)
+        return await persist(ctl, tb, self._storage_tier(tier)) * self._page_size
+
+    def _storage_tier(self, name: str | None) -> StorageTier:
+        tiers = list(self.controller.storage)
+        if name is None:
+            for t in tiers:
+                if t.backend.writable:
+                    return t
+            raise ConfigError("persist: no storage tier takes writes (configure one under tiers.storage)")
+        for t in tiers:
+            if t.name == name:
+                return t
+        raise ConfigError(f"persist: no storage tier named {name!r}; have {[t.name for t in tiers]}")
 
     # -- observability --------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["ServerSet", "VllmServer", "free_port", "vllm_command"]
+__all__ = ["ProxyProcess", "ServerSet", "VllmServer", "free_port", "vllm_command"]
 
 
 def free_port() -> int:
@@ -56,6 +56,7 @@ class VllmServer:
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0  # seconds the start took (to /health answering)
+    _began: float = 0.0
 
     @property
     def url(self) -> str:
@@ -66,17 +67,29 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         """Start the process and wait until ``/health`` answers; ``RuntimeError`` with the log's tail if not."""
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> VllmServer:
+        """Start the process without waiting for it (``wait_ready`` waits): several servers then
+        start side by side. Call from the thread that stops it: the child is signalled when the
+        thread that started it ends (``PR_SET_PDEATHSIG``)."""
         self.port = self.port or free_port()
         env = dict(os.environ)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it overrides --kv-cache-memory-bytes
         env.update(self.env)
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        began = time.monotonic()
+        self._began = time.monotonic()
         with open(self.log, "wb") as out:
             # Its own process group (stop() kills what vLLM leaves of it), and a SIGTERM to it if this
             # process dies without stopping it: a benchmark killed midway leaves no server running.
             self.proc = subprocess.Popen(self.command(), env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True, preexec_fn=_term_with_parent)
+        return self
+
+    def wait_ready(self) -> VllmServer:
+        """Wait until the launched server's ``/health`` answers (stopping it if it never does)."""
+        assert self.proc is not None, "launch() first"
         try:
             while True:
                 if self.proc.poll() is not None:
@@ -85,15 +98,22 @@ class VllmServer:
                     with urllib.request.urlopen(self.url + "/health", timeout=5):
                         break
                 except (urllib.error.URLError, OSError):
-                    if time.monotonic() - began > self.start_timeout_s:
+                    if time.monotonic() - self._began > self.start_timeout_s:
                         raise RuntimeError(f"{self.name}: not up after {self.start_timeout_s:.0f} s; log tail:\n"
                                            f"{self.tail()}") from None
                     time.sleep(1.0)
         except BaseException:
             self.stop()
             raise
-        self.started_s = time.monotonic() - began
+        self.started_s = time.monotonic() - self._began
         return self
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group at once (a crash: nothing drains)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
 
     def tail(self, chars: int = 4000) -> str:
         try:
@@ -168,6 +188,63 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 @dataclass
+class ProxyProcess:
+    """``hicache pd-proxy`` in front of prefill and decode servers, as a process of its own (the
+    command a user runs: ``python -m hicache.cli pd-proxy`` of this interpreter), on loopback."""
+
+    prefill: list[str]
+    decode: list[str]
+    log: Path
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    start_timeout_s: float = 60.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ProxyProcess:
+        self.port = self.port or free_port()
+        cmd = [sys.executable, "-m", "hicache.cli", "pd-proxy", "--prefill", ",".join(self.prefill),
+               "--decode", ",".join(self.decode), "--host", "127.0.0.1", "--port", str(self.port)]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_term_with_parent)
+        began = time.monotonic()
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"pd-proxy exited ({self.proc.returncode}): {self.log.read_text()[-2000:]}")
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=5):
+                        return self
+                except (urllib.error.URLError, OSError):
+                    if time.monotonic() - began > self.start_timeout_s:
+                        raise RuntimeError(f"pd-proxy not up after {self.start_timeout_s:.0f} s") from None
+                    time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def health(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url + "/health", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@dataclass
 class ServerSet:
     """The servers one configuration runs and the URL its clients send to (``url``: the first
     server's unless a proxy in front of them is given). ``with ServerSet(...)`` starts them in
@@ -175,9 +252,13 @@ class ServerSet:
 
     servers: list[VllmServer]
     proxy_url: str | None = None
+    side_by_side: bool = False  # start the servers at once (a prefill/decode pair), not one after the other
+    proxy: ProxyProcess | None = None  # started once the servers are up, stopped first
 
     @property
     def url(self) -> str:
+        if self.proxy is not None:
+            return self.proxy.url
         return self.proxy_url or self.servers[0].url
 
     @property
@@ -187,8 +268,16 @@ class ServerSet:
     def __enter__(self) -> ServerSet:
         started: list[VllmServer] = []
         try:
-            for server in self.servers:
-                started.append(server.start())
+            if self.side_by_side:
+                for server in self.servers:
+                    started.append(server.launch())
+                for server in self.servers:
+                    server.wait_ready()
+            else:
+                for server in self.servers:
+                    started.append(server.start())
+            if self.proxy is not None:
+                self.proxy.start()
         except BaseException:
             for server in reversed(started):
                 server.stop()
@@ -196,5 +285,7 @@ class ServerSet:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
         for server in reversed(self.servers):
             server.stop()

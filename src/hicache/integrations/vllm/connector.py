@@ -37,7 +37,7 @@ from .channel import socket_path
 from .metadata import HiCacheMetadata
 from .ranks import RankChannels
 from .scheduler_side import SchedulerSide
-from .settings import cache_config_for, connector_options, worker_rank
+from .settings import Roles, cache_config_for, connector_options, worker_rank
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                 )
             config = cache_config_for(vllm_config, extra, device=device, fingerprint=False)
             ranks = RankChannels(engine_id, vllm_config.parallel_config.tensor_parallel_size)
-            self.scheduler = SchedulerSide(ranks, config.page_size, block_size)
+            self.scheduler = SchedulerSide(ranks, config.page_size, block_size, Roles.of(ktc.kv_role))
         else:
             config = cache_config_for(vllm_config, extra, device=device, max_shutdown_s=_worker_exit_budget_s(vllm_config))
             if config.tiers.storage and vllm_config.shutdown_timeout == 0:
@@ -111,7 +111,10 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return False  # a best-effort cache: a dropped save is only a later miss
+        # A best-effort cache: a dropped save is only a later miss. A producer's hand-off never reads
+        # vLLM's blocks after the request's last step (its pages are copied out during the forward),
+        # so a preemption cannot hand off blocks it freed: a failed hand-off is a recompute downstream.
+        return False
 
     # -- worker side ----------------------------------------------------------------------------
 
@@ -140,6 +143,14 @@ class HiCacheConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.end_step()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Prefill/decode: requests whose prompt is durable in the shared tier (sent: vLLM frees the
+        blocks it held for them) and requests whose prefill arrived (received: vLLM schedules them)."""
+        if self.worker is None:
+            return None, None
+        sent, received = self.worker.take_finished(finished_req_ids)
+        return sent or None, received or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
@@ -191,13 +202,23 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, num_external_tokens)
+        self.scheduler.update_state_after_alloc(request, num_external_tokens, blocks)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """A prefill server's hand-off counts as ``p2p`` in vLLM's metrics; hicache's own tiers as ``host``."""
+        if num_external_tokens == 0:
+            return {}
+        assert self.scheduler is not None
+        source = CacheHitSource.P2P if self.scheduler.receiving(request.request_id) else CacheHitSource.HOST
+        return {source: num_external_tokens}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Ends the request's prefetch; a producer's prefill for a remote decode is handed off: its
+        blocks are kept until its pages are durable, and the answer carries what the decode server
+        needs (``kv_transfer_params``)."""
         assert self.scheduler is not None
-        self.scheduler.request_finished(request)
-        return False, None
+        return self.scheduler.request_finished(request, block_ids)

@@ -22,8 +22,9 @@ __all__ = ["CONNECTOR_METRICS", "ConnectorState", "connector_families", "encode"
 class ConnectorState(Protocol):
     """What ``connector_families`` reads: the worker's ``CacheService`` (``service.py``) has it."""
 
-    counters: Any  # the service's ConnectorCounters: lookups, loads, saves, prefetches
+    counters: Any  # the service's ConnectorCounters: lookups, loads, saves, prefetches, hand-offs
     open_steps: int
+    handoffs: Any  # the service's Handoffs: ``in_flight`` (sends, receives)
 
     @property
     def held_prefetches(self) -> int: ...
@@ -50,6 +51,17 @@ CONNECTOR_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "vllm_hook_calls": ("counter", ("side", "hook"), "Calls of each connector hook (side: scheduler or worker)"),
     "vllm_hook_seconds": ("counter", ("side", "hook"), "Seconds spent in each connector hook, on vLLM's critical path"),
     "vllm_loop_cpu_seconds": ("counter", (), "CPU seconds of the worker's cache thread (channel, commits, background copies)"),
+    "vllm_pd_sends": ("counter", (), "Prefill hand-offs whose prompt was durable in the shared tier within send_timeout_s"),
+    "vllm_pd_sent_tokens": ("counter", (), "Tokens handed off durable to decode servers"),
+    "vllm_pd_send_failures": ("counter", (), "Hand-offs not (all) durable in time: the decode server recomputed"),
+    "vllm_pd_send_seconds": ("counter", (), "Seconds from a hand-off to its pages durable (or given up), summed"),
+    "vllm_pd_receives": ("counter", (), "Hand-offs received whole: every promised page copied into vLLM's blocks"),
+    "vllm_pd_received_tokens": ("counter", (), "Tokens received from prefill servers"),
+    "vllm_pd_receive_failures": ("counter", (), "Receives that came up short within receive_timeout_s (vLLM recomputed)"),
+    "vllm_pd_receives_refused": ("counter", (), "Hand-offs of another namespace (weights, tenant, page size): computed here"),
+    "vllm_pd_receive_wait_seconds": ("counter", (), "Seconds from a queued request to its hand-off copied in, summed"),
+    "vllm_pd_copy_seconds": ("counter", (), "Seconds copying received pages into vLLM's blocks (cache threads), summed"),
+    "vllm_pd_in_flight": ("gauge", ("side",), "Hand-offs in flight now (side: send or receive)"),
 }
 
 
@@ -86,6 +98,15 @@ def connector_families(service: ConnectorState, prefix: str = "hicache") -> list
     cpu = service.loop_cpu_seconds()
     if cpu is not None:
         add("vllm_loop_cpu_seconds", cpu)
+    for name in ("sends", "sent_tokens", "send_failures", "receives", "received_tokens", "receive_failures",
+                 "receives_refused"):
+        add(f"vllm_pd_{name}", getattr(c, f"pd_{name}"))
+    add("vllm_pd_send_seconds", c.pd_send_s)
+    add("vllm_pd_receive_wait_seconds", c.pd_receive_wait_s)
+    add("vllm_pd_copy_seconds", c.pd_copy_s)
+    sends, receives = service.handoffs.in_flight
+    add("vllm_pd_in_flight", sends, "send")
+    add("vllm_pd_in_flight", receives, "receive")
     return list(families.values())
 
 

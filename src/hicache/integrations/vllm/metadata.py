@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["LoadSpec", "SaveSpec", "HiCacheMetadata"]
+__all__ = ["LoadSpec", "SaveSpec", "ReceiveSpec", "HiCacheMetadata"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,21 @@ class SaveSpec:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class ReceiveSpec:
+    """A prefill server's KV for token pages ``first_page..end_page`` of ``tokens``, to be copied
+    into the request's blocks when it arrives (an asynchronous load: the request waits in vLLM's
+    ``WAITING_FOR_REMOTE_KVS`` until the worker reports it received)."""
+
+    req_id: str
+    tokens: list[int]
+    first_page: int
+    end_page: int
+    block_ids: list[int]
+
+
 @dataclass
 class HiCacheMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    receives: list[ReceiveSpec] = field(default_factory=list)

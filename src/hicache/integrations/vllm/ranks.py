@@ -8,7 +8,10 @@ every rank and makes the answers agree:
 
 * ``lookup``: the minimum over the ranks, so a prefix counts only where every rank holds it. A rank
   that cannot answer holds nothing. With ``prefetch``, every rank starts its own prefetch.
-* ``forget``: told to every rank (each holds its own prefetches).
+* ``forget``: told to every rank (each holds its own prefetches and hand-off receives).
+* A lookup that carries a producer's hand-off (``expect``) is accepted only where every rank
+  accepts it (each compares its own check); a ``handoff`` answers the fewest tokens any rank
+  holds and every rank's check, in rank order (``agree_handoffs``).
 * A load that fails on one rank: that worker reports the blocks it could not fill, vLLM takes the
   union over its workers (``KVOutputAggregator``) and recomputes those blocks on every rank. A save
   that fails on one rank leaves that rank without the pages: the next lookup's minimum does not
@@ -24,13 +27,22 @@ from typing import Any
 
 from .channel import ChannelClient, socket_path
 
-__all__ = ["RankChannels", "agree_lookups"]
+__all__ = ["RankChannels", "agree_handoffs", "agree_lookups"]
 
 
 def agree_lookups(replies: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
     """One lookup answer from every rank's: the fewest tokens any rank holds (none where one failed)."""
     tokens = [0 if r is None else int(r.get("tokens", 0)) for r in replies]
-    return {"tokens": min(tokens, default=0), "ranks": tokens}
+    out: dict[str, Any] = {"tokens": min(tokens, default=0), "ranks": tokens}
+    if any(r is not None and "expect" in r for r in replies):
+        out["expect"] = all(r is not None and bool(r.get("expect")) for r in replies)
+    return out
+
+
+def agree_handoffs(replies: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """One hand-off answer: the fewest tokens any rank holds (none where one failed), each rank's check."""
+    tokens = [0 if r is None else int(r.get("tokens", 0)) for r in replies]
+    return {"tokens": min(tokens, default=0), "checks": [None if r is None else r.get("check") for r in replies]}
 
 
 class RankChannels:
@@ -53,6 +65,8 @@ class RankChannels:
         replies = [client.call(message) for client in self.clients]
         if message.get("op") == "lookup":
             return agree_lookups(replies)
+        if message.get("op") == "handoff":
+            return agree_handoffs(replies)
         return None if any(r is None for r in replies) else replies[0]
 
     def close(self) -> None:

@@ -19,6 +19,21 @@ step must load and save.
 * When a request finishes or is aborted it tells the worker to drop its prefetch (only a request
   whose queued lookup left one held: the others cost no round trip).
 
+Prefill/decode (``handoff.py`` has the worker's half; ``Roles`` what each ``kv_role`` does):
+
+* **Producer**: a request that asked for a remote decode (``kv_transfer_params`` with
+  ``do_remote_decode``) and finished its prefill is handed off at ``request_finished``: the
+  worker answers how many tokens it holds and their check, and starts making them durable; the
+  scheduler keeps the request's blocks (``delay_free_blocks``) until the worker reports it sent,
+  and returns ``kv_transfer_params`` (``do_remote_prefill`` and a ``hicache`` section: tokens,
+  checks per rank, page size) for the proxy to pass to a decode server.
+* **Consumer**: a request that carries those parameters has its queued lookup carry them too
+  (``expect``); once the worker accepts them, ``get_num_new_matched_tokens`` answers the
+  promised whole blocks beyond vLLM's own hit as an asynchronous load ``(n, True)``: vLLM gives
+  the request blocks and parks it in ``WAITING_FOR_REMOTE_KVS``; the next step's metadata tells
+  the worker the blocks (``ReceiveSpec``), and its ``get_finished`` reports the request received.
+  Refused (another namespace) or unanswered, the request is served as any other.
+
 Lookups go to the worker over the side channel (see ``channel.py``); a lookup that fails is a miss.
 Under tensor parallelism they go to every rank's worker and the answer is the minimum (``ranks.py``).
 Each hook is timed (``profile.py``); the profile rides on the lookup and forget messages to the
@@ -33,9 +48,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .channel import ChannelClient, pack_tokens
-from .metadata import HiCacheMetadata, LoadSpec, SaveSpec
+from .metadata import HiCacheMetadata, LoadSpec, ReceiveSpec, SaveSpec
 from .profile import SCHEDULER_HOOKS, HookProfile
 from .ranks import RankChannels
+from .settings import Roles
 
 __all__ = ["SchedulerSide"]
 
@@ -49,11 +65,38 @@ class _Tracked:
     stored_pages: int  # leading pages hicache holds (found by the lookup or saved since)
 
 
+#: what a request that a producer handed off must finish as (not aborted, not an error)
+_HANDED_OFF = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+
+
+def handoff_params(request: Any) -> dict[str, Any] | None:
+    """The ``hicache`` part of a producer's ``kv_transfer_params`` on a request for a decode server,
+    if it carries one that is well formed (``tokens``: int, ``checks``: a list of strings)."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    ours = params.get("hicache")
+    if not isinstance(ours, dict):
+        return None
+    tokens, checks = ours.get("tokens"), ours.get("checks")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+        return None
+    if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
+        return None
+    return ours
+
+
 class SchedulerSide:
-    def __init__(self, client: ChannelClient | RankChannels, page_size: int, block_size: int) -> None:
+    def __init__(
+        self, client: ChannelClient | RankChannels, page_size: int, block_size: int, roles: Roles | None = None
+    ) -> None:
         self.client = client
         self.page_size = page_size
         self.block_size = block_size
+        self.roles = roles or Roles()
+        self._expect: dict[str, int] = {}  # consumer: req_id -> tokens the worker watches for (accepted)
+        self._watched: set[str] = set()  # consumer: requests the worker had a receive for (told at finish)
+        self._receives: list[ReceiveSpec] = []  # async loads granted this step, for its metadata
         self._hits: dict[str, int] = {}  # req_id -> hicache hit (tokens) at the last lookup
         self._pending: dict[str, int] = {}  # req_id -> external tokens granted, until its first step
         self._tracked: dict[str, _Tracked] = {}
@@ -66,22 +109,27 @@ class SchedulerSide:
         """Whole blocks of the request's tokens, leaving at least one token to compute."""
         return (request.num_tokens - 1) // self.block_size * self.block_size
 
-    def _lookup(self, request: Any, prefetch: bool) -> int | None:
-        """Whole blocks of the request hicache holds (None: the worker did not answer: a miss)."""
-        usable = self._usable(request)
+    def _lookup(self, request: Any, prefetch: bool, expect: dict[str, Any] | None = None,
+                end: int | None = None) -> tuple[int | None, dict[str, Any] | None]:
+        """Whole blocks of the request hicache holds (None: the worker did not answer: a miss),
+        and the reply. ``end``: look up that many tokens instead of the usable ones."""
+        usable = self._usable(request) if end is None else end
         if usable <= 0:
-            return 0
+            return 0, None
         started = time.perf_counter()
         tokens = pack_tokens(request.all_token_ids[:usable])
-        reply = self.client.call({"op": "lookup", "req": request.request_id, "tokens": tokens, "prefetch": prefetch,
-                                  "profile": self.profile.snapshot()})
+        message = {"op": "lookup", "req": request.request_id, "tokens": tokens, "prefetch": prefetch,
+                   "profile": self.profile.snapshot()}
+        if expect is not None:
+            message["expect"] = expect
+        reply = self.client.call(message)
         if prefetch and (reply is None or reply.get("held", True)):
             self._held.add(request.request_id)  # no answer: it may hold one; say forget to be sure
         self.profile.add("lookup", time.perf_counter() - started)
         if reply is None:
-            return None
-        hit = min(int(reply.get("tokens", 0)), usable)
-        return hit - hit % self.block_size
+            return None, None
+        hit = min(int(reply.get("tokens", 0)), usable, self._usable(request))
+        return hit - hit % self.block_size, reply
 
     def _fresh(self, request: Any) -> int | None:
         """The queued lookup's answer if no step was planned since it (None: look up again).
@@ -105,25 +153,67 @@ class SchedulerSide:
     # -- vLLM hooks -----------------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        hit = self._lookup(request, prefetch=True)
-        if hit is not None:
-            self._queued[request.request_id] = (self._usable(request), hit)
+        if self.roles.consumes:
+            ours = handoff_params(request)
+            if ours is not None and self._expect_handoff(request, ours):
+                return
+        if self.roles.loads_cached:
+            hit, _ = self._lookup(request, prefetch=True)
+            if hit is not None:
+                self._queued[request.request_id] = (self._usable(request), hit)
+
+    def _expect_handoff(self, request: Any, ours: dict[str, Any]) -> bool:
+        """Tell the worker to watch for a producer's pages: the whole blocks of them this request
+        can load (at least one prompt token is left to compute). False: not accepted."""
+        promised = int(ours["tokens"])
+        receive = min(promised, self._usable(request)) // self.block_size * self.block_size
+        if receive <= 0 or promised > request.num_tokens:
+            return False  # nothing whole to load, or not this prompt: computed here
+        _, reply = self._lookup(request, prefetch=True, expect={"tokens": receive, "checks": ours["checks"]},
+                                end=promised)
+        if reply is None or not reply.get("expect"):
+            return False
+        self._expect[request.request_id] = receive
+        self._watched.add(request.request_id)
+        return True
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        receive = self._expect.get(request.request_id)
+        if receive is not None and receive > num_computed_tokens:
+            return receive - num_computed_tokens, True  # asynchronous: the worker reports it received
         hit = self._fresh(request)
         if hit is None:
-            hit = self._lookup(request, prefetch=False) or 0
+            hit = self._lookup(request, prefetch=False)[0] or 0
         self._hits[request.request_id] = hit
+        if not self.roles.loads_cached:
+            return 0, False  # a producer only: the hit tells its save plan what hicache holds already
         return max(0, hit - num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: Any, num_external_tokens: int) -> None:
-        self._pending[request.request_id] = num_external_tokens
+    def update_state_after_alloc(self, request: Any, num_external_tokens: int, blocks: Any = None) -> None:
+        rid = request.request_id
+        receive = self._expect.pop(rid, None)
+        if receive is not None:
+            if num_external_tokens > 0 and blocks is not None:
+                ps = self.page_size
+                computed = receive - num_external_tokens  # what vLLM's own prefix cache holds
+                block_ids = list(blocks.get_block_ids()[0])
+                tokens = list(request.all_token_ids[:receive])
+                self._receives.append(ReceiveSpec(rid, tokens, computed // ps, receive // ps, block_ids))
+                # Scheduled again once received (update_state_after_alloc with 0): its saves start after these.
+                self._hits[rid] = receive
+                return
+            self._forget(rid, finished=False)  # vLLM holds the prefix itself: nothing to wait for
+        self._pending[rid] = num_external_tokens
         # (Re)scheduled from the waiting queue, maybe after a preemption: plan from scratch.
         self._tracked[request.request_id] = _Tracked(
             request=request,
             block_ids=[],
             stored_pages=self._hits.pop(request.request_id, 0) // self.page_size,
         )
+
+    def receiving(self, req_id: str) -> bool:
+        """Whether ``req_id``'s external tokens come from a prefill server (planned this step)."""
+        return any(spec.req_id == req_id for spec in self._receives)
 
     def build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         started = time.perf_counter()
@@ -135,6 +225,7 @@ class SchedulerSide:
 
     def _build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         meta = HiCacheMetadata()
+        meta.receives, self._receives = self._receives, []
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -169,6 +260,8 @@ class SchedulerSide:
         meta.loads.append(LoadSpec(req_id, tokens, first, end, list(tracked.block_ids)))
 
     def _plan_save(self, meta: HiCacheMetadata, tracked: _Tracked, req_id: str, computed: int, scheduled: int) -> None:
+        if not self.roles.saves:
+            return  # a consumer only: what it decodes is not kept
         ps = self.page_size
         # vLLM may have rewound the request (a failed load is recomputed): pages past what is
         # computed now were never stored, so plan them again.
@@ -186,14 +279,50 @@ class SchedulerSide:
         meta.saves.append(SaveSpec(req_id, tokens, first, end - first, list(tracked.block_ids)))
         tracked.stored_pages = end
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Any, block_ids: Any = ()) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request; a producer's prefill for a remote decode is handed off (see above):
+        ``(keep its blocks until reported sent, kv_transfer_params)``."""
         started = time.perf_counter()
         rid = request.request_id
         self._tracked.pop(rid, None)
         self._pending.pop(rid, None)
         self._hits.pop(rid, None)
         self._queued.pop(rid, None)
-        if rid in self._held:
-            self._held.discard(rid)
-            self.client.call({"op": "forget", "req": rid, "profile": self.profile.snapshot()})
+        self._expect.pop(rid, None)
+        if rid in self._held or rid in self._watched:
+            self._forget(rid, finished=True)
+        result: tuple[bool, dict[str, Any] | None] = (False, None)
+        if self.roles.produces:
+            result = self._handoff(request)
         self.profile.add("finish", time.perf_counter() - started)
+        return result
+
+    def _forget(self, rid: str, *, finished: bool) -> None:
+        self._held.discard(rid)
+        if finished:
+            self._watched.discard(rid)
+        self.client.call({"op": "forget", "req": rid, "finished": finished, "profile": self.profile.snapshot()})
+
+    def _handoff(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return False, None
+        if getattr(request.status, "name", str(request.status)) not in _HANDED_OFF:
+            return False, None  # aborted or failed: no decode follows
+        ps = self.page_size
+        prompt = list(request.prompt_token_ids or [])
+        end = (len(prompt) - 1) // ps * ps  # whole pages a decode server could load (one token left to compute)
+        if end <= 0:
+            return False, None
+        reply = self.client.call({"op": "handoff", "req": request.request_id, "tokens": prompt[:end]})
+        tokens = 0 if reply is None else int(reply.get("tokens", 0))
+        if tokens <= 0:
+            log.info("hicache: %s: nothing to hand off (the worker holds none of its pages, or did not answer)",
+                     request.request_id)
+            return False, None
+        checks = reply.get("checks") if isinstance(reply.get("checks"), list) else [reply.get("check")]
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "hicache": {"tokens": tokens, "checks": checks, "page_size": ps},
+        }

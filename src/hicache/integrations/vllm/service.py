@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
-from anyio.abc import SocketStream
+from anyio.abc import SocketStream, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from ...cache import HiCache
@@ -44,11 +44,12 @@ from ...leases import HeldPrefix, SlotReservation
 from .channel import MAX_FRAME, encode, unpack_tokens
 from .export import connector_families
 from .export import encode as encode_families
+from .handoff import CopyIn, Handoffs
 from .profile import WORKER_HOOKS, HookProfile, thread_cpu_seconds, threads_cpu_seconds
 from .settings import ConnectorOptions
 
 if TYPE_CHECKING:
-    from .metadata import LoadSpec, SaveSpec
+    from .metadata import LoadSpec, ReceiveSpec, SaveSpec
 
 __all__ = ["CacheService", "StepLeases", "ConnectorCounters"]
 
@@ -77,6 +78,17 @@ class ConnectorCounters:
     prefetches_cancelled: int = 0
     drained_pages: int = 0  # written to storage while the cache closed
     undrained_pages: int = 0  # promised to storage, not written when it closed (logged with the count)
+    # prefill/decode hand-offs (handoff.py): a producer's sends, a consumer's receives
+    pd_sends: int = 0  # prompts durable in the shared tier within send_timeout_s
+    pd_sent_tokens: int = 0
+    pd_send_failures: int = 0  # not (all) durable in time, or nothing to hand off: the decode side recomputes
+    pd_send_s: float = 0.0  # seconds from the hand-off to durable (or given up), summed
+    pd_receives: int = 0  # every promised page arrived and was copied into vLLM's blocks
+    pd_received_tokens: int = 0
+    pd_receive_failures: int = 0  # some pages did not arrive within receive_timeout_s (or the request ended)
+    pd_receives_refused: int = 0  # the producer's check is not this namespace's: computed here
+    pd_receive_wait_s: float = 0.0  # seconds from the queued request to its pages copied (or given up), summed
+    pd_copy_s: float = 0.0  # seconds copying received pages into vLLM's blocks (cache threads), summed
 
 
 @dataclasses.dataclass
@@ -116,6 +128,8 @@ class CacheService(anyio.AsyncContextManagerMixin):
         self._finish_wakeup = anyio.Event()
         self._step_finished = anyio.Event()  # set (and replaced) each time a step has finished
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._tg: TaskGroup | None = None
+        self.handoffs = Handoffs(self, self.options.pd)
 
     @asynccontextmanager
     async def __asynccontextmanager__(self) -> AsyncGenerator[CacheService]:
@@ -139,6 +153,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
                     if self.options.metrics_port is not None:
                         await self._serve_metrics(stack)
                     async with anyio.create_task_group() as tg:
+                        self._tg = tg
                         tg.start_soon(listener.serve, self._serve)
                         tg.start_soon(self._finish_steps)
                         if self.options.stats_interval_s > 0:
@@ -150,6 +165,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
                                 await self._settle_steps(_SETTLE_TIMEOUT_S)  # the steps vLLM ended, first
                             tg.cancel_scope.cancel()
             finally:
+                self._tg = None
                 for op in self._held.values():
                     op.cancel()
                 self._held.clear()
@@ -278,13 +294,24 @@ class CacheService(anyio.AsyncContextManagerMixin):
                 tokens = message["tokens"]
                 if isinstance(tokens, str):  # packed (pack_tokens): a tensor over the bytes, no list
                     tokens = torch.frombuffer(unpack_tokens(tokens), dtype=torch.int64) if tokens else []
-                return await self.lookup(str(message["req"]), tokens, bool(message.get("prefetch")))
+                reply = await self.lookup(str(message["req"]), tokens, bool(message.get("prefetch")))
+                expect = message.get("expect")
+                if isinstance(expect, dict):  # a request a prefill server computed: watch for its pages
+                    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+                    reply["expect"] = self.handoffs.expect(
+                        str(message["req"]), ids, int(expect["tokens"]), expect.get("checks"),
+                        self.config.parallel.tp_rank,
+                    )
+                return reply
             finally:
                 self.worker_profile.add("serve_lookup", time.perf_counter() - started)
         if op == "forget":
             self.forget(str(message["req"]))
+            self.handoffs.forget(str(message["req"]), finished=bool(message.get("finished", True)))
             self._take_profile(message.get("profile"))
             return {}
+        if op == "handoff":
+            return await self.handoffs.handoff(str(message["req"]), message["tokens"])
         if op == "stats":
             await self._settle_steps(_SETTLE_TIMEOUT_S)  # the steps vLLM has ended are counted
             return self.stats()
@@ -313,6 +340,25 @@ class CacheService(anyio.AsyncContextManagerMixin):
             self.counters.prefetches_held += 1
         # held: the request has a prefetch to end when it finishes (else the scheduler need not say)
         return {"tokens": hit.tokens, "by_tier": dict(hit.by_tier), "held": req_id in self._held}
+
+    def spawn(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` in the service's task group (it ends with the service)."""
+        if self._tg is None:
+            raise HiCacheError("the connector's service is not running")
+        self._tg.start_soon(fn, *args)
+
+    async def wait_for_ended_steps(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) until the steps vLLM ended before now have finished (their
+        saves committed): what a hand-off of their request may promise."""
+        target = self.finishes_scheduled
+        with anyio.move_on_after(timeout_s):
+            while self.finishes_done < target:
+                await self._step_finished.wait()
+
+    def begin_receives(self, specs: list[ReceiveSpec], copy_in: CopyIn) -> None:
+        """From vLLM's thread (the step's metadata): these requests have blocks for their hand-off."""
+        for spec in specs:
+            self.handoffs.begin(spec, copy_in)
 
     async def _catch_up(self) -> None:
         """Wait (briefly) for the steps vLLM ended before this lookup: a request that arrives right
@@ -514,6 +560,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
             "cache": _jsonable(cache.stats()),
             "held_prefetches": len(self._held),
             "open_steps": self.open_steps,
+            "handoffs_in_flight": list(self.handoffs.in_flight),
             "device_used_pages": cache.stats().tiers["device"].used_pages,
             "requests": dict(self.records),
             "namespace": {"model": self.config.model.name, "revision": self.config.model.revision},

@@ -11,7 +11,11 @@ the model's identity and KV geometry from vLLM's model config.
 * ``stats_interval_s``: how often the worker reports hicache's metrics through vLLM's connector
   stats, which vLLM's ``/metrics`` then exports (default 1.0; 0 turns it off);
 * ``metrics_port`` / ``metrics_host``: also serve hicache's own ``/metrics`` from the worker
-  (default: not served; host ``127.0.0.1``; port 0 picks a free one, logged).
+  (default: not served; host ``127.0.0.1``; port 0 picks a free one, logged);
+* ``pd``: prefill/decode hand-offs (``kv_role`` ``kv_producer``, ``kv_consumer``, ``kv_both``;
+  ``PDOptions``): ``tier``, the storage tier a producer's prompts must be durable in before they
+  are reported sent (default: the first that takes writes), ``send_timeout_s`` (30) and
+  ``receive_timeout_s`` (10), the bounds on a hand-off on each side.
 
 The ``model`` section is always filled from vLLM: name (the model path or id, plus the
 quantization method), layers, KV heads (this rank's), head size and KV dtype. Its ``revision`` is
@@ -41,13 +45,50 @@ from ...containers import load_config
 from ...errors import ConfigError, UnsupportedModelError
 
 __all__ = [
-    "EXTRA_KEYS", "ConnectorOptions", "cache_config_for", "connector_options", "parallel_section", "weights_fingerprint",
+    "EXTRA_KEYS", "ConnectorOptions", "PDOptions", "Roles", "cache_config_for", "connector_options", "parallel_section", "weights_fingerprint",
     "worker_rank",
 ]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
-EXTRA_KEYS = ("config", "overrides", "staging_tokens", "stats_interval_s", "metrics_port", "metrics_host")
+EXTRA_KEYS = ("config", "overrides", "staging_tokens", "stats_interval_s", "metrics_port", "metrics_host", "pd")
+_PD_KEYS = ("tier", "send_timeout_s", "receive_timeout_s")
+
+
+@dataclass(frozen=True)
+class PDOptions:
+    """Prefill/decode hand-offs: where a producer's prompts must be durable, and how long each side waits.
+
+    ``tier``: the name of the storage tier the KV crosses through (``None``: the first that takes
+    writes; a consumer reads whichever tier has the pages). ``send_timeout_s``: a producer reports a
+    prompt sent (vLLM frees its blocks) when its pages are durable there or after this long,
+    counted as a failed hand-off. ``receive_timeout_s``: a consumer waits this long for the pages
+    to arrive, then vLLM recomputes what did not.
+    """
+
+    tier: str | None = None
+    send_timeout_s: float = 30.0
+    receive_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What a connector of ``kv_role`` does: ``kv_both`` everything; ``kv_producer`` saves prompts and
+    hands them off but loads nothing of its own cache; ``kv_consumer`` receives hand-offs and loads
+    what its cache holds (what arrived, mostly) but saves nothing."""
+
+    produces: bool = False
+    consumes: bool = False
+    loads_cached: bool = True
+    saves: bool = True
+
+    @classmethod
+    def of(cls, kv_role: str | None) -> Roles:
+        if kv_role == "kv_producer":
+            return cls(produces=True, loads_cached=False)
+        if kv_role == "kv_consumer":
+            return cls(consumes=True, saves=False)
+        return cls(produces=True, consumes=True)
 
 
 @dataclass(frozen=True)
@@ -57,6 +98,27 @@ class ConnectorOptions:
     stats_interval_s: float = 1.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    pd: PDOptions = PDOptions()
+
+
+def _pd_options(value: Any) -> PDOptions:
+    if value is None:
+        return PDOptions()
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"kv_connector_extra_config.pd must be a mapping, not {value!r}")
+    unknown = sorted(set(value) - set(_PD_KEYS))
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config.pd: unknown key(s) {unknown}; known: {list(_PD_KEYS)}")
+    tier = value.get("tier")
+    if tier is not None and (not isinstance(tier, str) or not tier):
+        raise ConfigError(f"kv_connector_extra_config.pd.tier must be a storage tier's name, not {tier!r}")
+    out: dict[str, Any] = {"tier": tier}
+    for key in ("send_timeout_s", "receive_timeout_s"):
+        v = value.get(key, getattr(PDOptions, key))
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"kv_connector_extra_config.pd.{key} must be a number of seconds > 0, not {v!r}")
+        out[key] = float(v)
+    return PDOptions(**out)
 
 
 def connector_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -71,7 +133,10 @@ def connector_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
     host = extra.get("metrics_host", "127.0.0.1")
     if not isinstance(host, str) or not host:
         raise ConfigError(f"kv_connector_extra_config.metrics_host must be a host name or address, not {host!r}")
-    return ConnectorOptions(stats_interval_s=float(interval), metrics_port=port, metrics_host=host)
+    return ConnectorOptions(stats_interval_s=float(interval), metrics_port=port, metrics_host=host,
+                            pd=_pd_options(extra.get("pd")))
+
+
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CHUNK = 16 << 20

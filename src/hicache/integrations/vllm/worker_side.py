@@ -37,6 +37,9 @@ __all__ = ["WorkerSide"]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
+_IDLE_STEP_S = 0.002  # get_finished called again this soon: vLLM is stepping without a forward
+_IDLE_STEP_WAIT_S = 0.005  # how long such a call may wait for a hand-off to end
+
 
 @dataclass
 class _Step:
@@ -73,6 +76,7 @@ class WorkerSide:
         self._step: _Step | None = None
         self._errors: set[int] = set()
         self._exported = 0  # sequence number of the last export handed to vLLM
+        self._last_finished_call = 0.0  # when vLLM last asked for finished hand-offs (perf_counter)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -158,6 +162,8 @@ class WorkerSide:
             self.end_step()  # a step vLLM ended without wait_for_save: release it first
         step = _Step(meta)
         self._step = step
+        if meta.receives:  # prefill/decode: copied in by the cache when the pages arrive (handoff.py)
+            self._portal.call(self._service.begin_receives, meta.receives, self._copy_received)
         if not meta.loads and not meta.saves:
             return
         try:
@@ -293,6 +299,40 @@ class WorkerSide:
     def take_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    # -- prefill/decode hand-offs (handoff.py) ----------------------------------------------------
+
+    def take_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """vLLM's ``get_finished``: hand-offs made durable (sent) and hand-offs copied in (received)
+        since the last step; what a receive missed goes to ``take_errors`` in the same step."""
+        service = self.service
+        if service is None:
+            return set(), set()
+        now = time.perf_counter()
+        # Asked again within a millisecond or two: a step without a forward (requests only waiting
+        # for transfers): let the call wait a little for one to end instead of spinning.
+        wait = _IDLE_STEP_WAIT_S if now - self._last_finished_call < _IDLE_STEP_S else 0.0
+        self._last_finished_call = now
+        sent, received = service.handoffs.take(finished_req_ids, wait)
+        ps, bs = self.layout.page_size, self.layout.block_size
+        for outcome in received:
+            spec = outcome.spec
+            if outcome.from_page < spec.end_page:
+                first_block = outcome.from_page * ps // bs
+                last_block = (spec.end_page * ps - 1) // bs
+                self._errors.update(spec.block_ids[first_block : last_block + 1])
+        return sent, {outcome.spec.req_id for outcome in received}
+
+    def _copy_received(self, block_ids: list[int], first_page: int, segments: list[tuple[Any, list[int]]]) -> None:
+        """In a cache thread: held pages from token page ``first_page`` on into a waiting request's
+        blocks, every layer (vLLM runs no forward over these blocks until they are reported)."""
+        plans, page = [], first_page
+        for tier, pages in segments:
+            plans.append((tier, self.layout.runs(block_ids, page, pages)))
+            page += len(pages)
+        for layer, kv in self.layers.values():
+            for tier, runs in plans:
+                self.layout.load(tier.layer_view(layer), kv, runs)
 
 
 def _scale(by_tier: dict[str, int], kept: int, tokens: int) -> dict[str, int]:

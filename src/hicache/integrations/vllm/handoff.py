@@ -1,0 +1,343 @@
+"""Prefill/decode hand-offs on the worker's loop: a producer's prompts made durable, a consumer's
+awaited and copied into vLLM's blocks. Every wait is bounded; every outcome is counted.
+
+**Producer** (``kv_producer``, ``kv_both``). When a request that asked for a remote decode
+finishes, the scheduler sends ``handoff`` with the prompt's tokens. The worker waits for the steps
+vLLM ended before (their pages committed), answers how many leading tokens the cache holds and a
+``check`` (a digest of the last page's key: it names namespace, tenant, page size and tokens), and
+starts making them durable in the shared tier (``HiCache.persist``). The scheduler returns those
+in ``kv_transfer_params`` and keeps the request's blocks; the request is reported finished-sending
+(vLLM frees them) when the tier holds the pages, or after ``send_timeout_s``, counted as failed.
+The blocks are not read after the request's last step (its pages were copied into host pages
+during the forward): holding them is what bounds the memory of hand-offs still in flight.
+
+**Consumer** (``kv_consumer``, ``kv_both``). The request arrives with those parameters. Its queued
+lookup carries them (``expect``): the worker compares the check with its own for the same tokens
+(a consumer of other weights, another tenant or another page size differs and is refused at once,
+counted: vLLM computes the prompt), then watches for the pages while the request waits, asking
+the cache (a lookup with prefetch: storage pages come up into the host tier as they appear) until
+they are all there or ``receive_timeout_s`` has passed. Once vLLM has given the request blocks
+(``begin``, from the step's metadata), the pages are held where they lie and copied into those
+blocks in a cache thread, off vLLM's thread, and the request is reported received. What did not
+arrive in time is reported as failed blocks in the same step, and vLLM recomputes it
+(``kv_load_failure_policy="recompute"``). A request aborted meanwhile ends its receive at once.
+
+Nothing of the producer's block layout crosses: the consumer finds the pages by its own keys
+(namespace and tokens), and every page it reads is verified as any storage read is.
+
+Results reach vLLM's thread through ``take`` (a lock; vLLM's ``get_finished``). A send is reported
+only once vLLM has told the worker the request finished (``get_finished``'s contract).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+
+from ...errors import HiCacheError
+from ...keys import as_token_bytes, chain_keys
+from .settings import PDOptions
+
+if TYPE_CHECKING:
+    from ...cache import HiCache
+    from ...config import HiCacheConfig
+    from .metadata import ReceiveSpec
+
+__all__ = ["Handoffs", "CopyIn", "ReceiveOutcome"]
+
+log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
+
+_POLL_S = (0.002, 0.004, 0.008, 0.016, 0.032, 0.05)  # how often a consumer asks again while pages are on their way
+_COMMIT_WAIT_S = 2.0
+_FORGOTTEN = 10_000  # how long a hand-off waits for the steps vLLM ended before it
+
+#: ``copy_in(block_ids, first_page, segments)``: copy held pages (``[(tier, pages)]``, from token
+#: page ``first_page`` on) into the request's vLLM blocks, every layer (run in a cache thread).
+CopyIn = Callable[[list[int], int, list[tuple[Any, list[int]]]], None]
+
+
+@dataclasses.dataclass
+class ReceiveOutcome:
+    """A finished receive, for vLLM's thread: pages ``from_page..spec.end_page`` did not arrive."""
+
+    spec: ReceiveSpec
+    from_page: int
+
+
+@dataclasses.dataclass(eq=False)
+class _Receive:
+    req_id: str
+    tokens: list[int]  # the prefix to receive (whole vLLM blocks)
+    deadline: float  # anyio clock
+    started: float  # perf_counter, for the wait's duration
+    arrived: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    watching: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope)
+    copying: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope)
+    spec: ReceiveSpec | None = None
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.watching.cancel()
+        self.copying.cancel()
+
+
+def page_check(seed: bytes, tokens: list[int], page_size: int) -> str:
+    """The digest a producer and a consumer compare: of the last full page's key (which chains the
+    namespace, the tenant and every token before it), so it reveals no key."""
+    keys = chain_keys(seed, as_token_bytes(tokens), page_size)
+    if not keys:
+        return ""
+    return hashlib.blake2b(keys[-1], digest_size=16, person=b"hicache-pd-check").hexdigest()
+
+
+class HandoffHost(Protocol):
+    """What ``Handoffs`` uses of the worker's ``CacheService`` (``service.py``, which owns it)."""
+
+    config: HiCacheConfig
+    counters: Any  # ConnectorCounters: the pd_* fields
+
+    @property
+    def _cache(self) -> HiCache: ...
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+    async def wait_for_ended_steps(self, timeout_s: float) -> Any: ...
+
+    def record_loads(self, loads: list[tuple[str, int, dict[str, int], int]]) -> None: ...
+
+
+class Handoffs:
+    """The worker's hand-offs (see the module docstring); owned by the ``CacheService``."""
+
+    def __init__(self, service: HandoffHost, options: PDOptions) -> None:
+        self.service = service
+        self.options = options
+        self._receives: dict[str, _Receive] = {}
+        self._forgotten: OrderedDict[str, None] = OrderedDict()  # finished requests, in case their blocks come after
+        self._sends = 0  # in flight
+        # Shared with vLLM's thread (``take``), under the lock:
+        self._lock = threading.Lock()
+        self._sending: set[str] = set()  # hand-offs not yet durable (or timed out)
+        self._sent: set[str] = set()  # done, not yet reported
+        self._finished: set[str] = set()  # vLLM said finished, the send not done yet
+        self._received: list[ReceiveOutcome] = []
+        self._ready = threading.Event()  # set when a send or receive is done, for a waiting ``take``
+
+    @property
+    def _cache(self) -> Any:
+        return self.service._cache
+
+    def _check(self, tokens: list[int]) -> str:
+        cache = self._cache
+        return page_check(cache.controller.tree.seed, tokens, cache.page_size)
+
+    # -- producer -------------------------------------------------------------------------------
+
+    async def handoff(self, req_id: str, tokens: list[int]) -> dict[str, Any]:
+        """A finished prefill: the tokens hicache holds of ``tokens`` (whole pages), and their check;
+        making them durable in the shared tier starts now (reported sent when done)."""
+        cache = self._cache
+        ps = cache.page_size
+        await self.service.wait_for_ended_steps(_COMMIT_WAIT_S)
+        hit = await cache.lookup(tokens, prefetch=False)
+        n = min(hit.tokens, len(tokens) // ps * ps)
+        if n <= 0:
+            self.service.counters.pd_send_failures += 1
+            return {"tokens": 0}
+        with self._lock:
+            self._sending.add(req_id)
+        self._sends += 1
+        self.service.spawn(self._send, req_id, tokens[:n])
+        return {"tokens": n, "check": self._check(tokens[:n])}
+
+    async def _send(self, req_id: str, tokens: list[int]) -> None:
+        c = self.service.counters
+        started = time.perf_counter()
+        durable = 0
+        try:
+            with anyio.move_on_after(self.options.send_timeout_s):
+                durable = await self._cache.persist(tokens, tier=self.options.tier)
+        except HiCacheError as exc:
+            log.warning("hicache: hand-off of %s failed: %r", req_id, exc)
+        finally:
+            self._sends -= 1
+            elapsed = time.perf_counter() - started
+            c.pd_send_s += elapsed
+            if durable >= len(tokens):
+                c.pd_sends += 1
+                c.pd_sent_tokens += durable
+            else:
+                c.pd_send_failures += 1
+                log.warning(
+                    "hicache: hand-off of %s: %d of %d tokens durable in %s after %.1f s; the decode side "
+                    "recomputes the rest", req_id, durable, len(tokens), self.options.tier or "the shared tier", elapsed,
+                )
+            with self._lock:
+                self._sending.discard(req_id)
+                self._sent.add(req_id)
+            self._ready.set()
+
+    # -- consumer -------------------------------------------------------------------------------
+
+    def expect(self, req_id: str, tokens: list[int], receive_tokens: int, checks: Any, rank: int) -> bool:
+        """A queued request that a producer prefilled: accept it (its check matches ours) and watch
+        for its first ``receive_tokens`` tokens, or refuse it (counted)."""
+        c = self.service.counters
+        mine = self._check(tokens)
+        theirs = checks[rank] if isinstance(checks, list) and 0 <= rank < len(checks) else None
+        tp = self.service.config.parallel.tp_size
+        if not mine or not isinstance(theirs, str) or len(checks) != tp or theirs != mine:
+            c.pd_receives_refused += 1
+            log.info("hicache: %s: the prefill server's KV is not this namespace's (other weights, tenant, page "
+                     "size or tokens); vLLM computes the prompt", req_id)
+            return False
+        self._end(req_id)  # a request id seen again (a retry): start over
+        rec = _Receive(req_id, tokens[:receive_tokens], anyio.current_time() + self.options.receive_timeout_s,
+                       time.perf_counter())
+        self._receives[req_id] = rec
+        self.service.spawn(self._await_arrival, rec)
+        return True
+
+    async def _await_arrival(self, rec: _Receive) -> None:
+        """Ask the cache until the pages are all in memory or in a storage tier (a lookup with
+        prefetch brings them up), or the receive's time is up."""
+        cache = self._cache
+        want = len(rec.tokens)
+        i = 0
+        try:
+            with rec.watching:
+                with anyio.move_on_at(rec.deadline):
+                    while True:
+                        hit = await cache.lookup(rec.tokens, prefetch=True)
+                        if hit.tokens >= want:
+                            return
+                        await anyio.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
+                        i += 1
+        except HiCacheError as exc:
+            log.warning("hicache: waiting for the KV of %s failed: %r", rec.req_id, exc)
+        finally:
+            rec.arrived.set()
+
+    def begin(self, spec: ReceiveSpec, copy_in: CopyIn) -> None:
+        """vLLM gave the request its blocks (the step's metadata): copy the pages in when they are here."""
+        if spec.req_id in self._forgotten:  # finished or aborted before its blocks were given: nothing to copy
+            self._forgotten.pop(spec.req_id)
+            self.service.counters.pd_receive_failures += 1
+            with self._lock:
+                self._received.append(ReceiveOutcome(spec, spec.first_page))
+            self._ready.set()
+            return
+        rec = self._receives.get(spec.req_id)
+        if rec is None:  # its queued lookup went unanswered: wait for the pages from now
+            rec = _Receive(spec.req_id, spec.tokens, anyio.current_time() + self.options.receive_timeout_s,
+                           time.perf_counter())
+            self._receives[spec.req_id] = rec
+            self.service.spawn(self._await_arrival, rec)
+        rec.spec = spec
+        self.service.spawn(self._receive, rec, copy_in)
+
+    async def _receive(self, rec: _Receive, copy_in: CopyIn) -> None:
+        spec = rec.spec
+        assert spec is not None
+        cache = self._cache
+        ps = cache.page_size
+        c = self.service.counters
+        pos = spec.first_page
+        by_tier: dict[str, int] = {}
+        try:
+            with rec.copying:
+                with anyio.move_on_at(rec.deadline):
+                    await rec.arrived.wait()
+                async with AsyncExitStack() as stack:
+                    with anyio.move_on_at(max(rec.deadline, anyio.current_time() + 0.5)):
+                        while pos < spec.end_page and not rec.cancelled:
+                            held = await stack.enter_async_context(cache.hold(spec.tokens, start=pos * ps))
+                            got = min(held.tokens // ps, spec.end_page)
+                            if got <= pos:
+                                break
+                            segments, left = [], got - pos
+                            for tier, pages in held.segments:
+                                if left > 0 and pages:
+                                    segments.append((tier, pages[:left]))
+                                    left -= len(pages[:left])
+                            started = time.perf_counter()
+                            await anyio.to_thread.run_sync(copy_in, spec.block_ids, pos, segments)
+                            c.pd_copy_s += time.perf_counter() - started
+                            take = (got - pos) * ps
+                            for tier, n in held.by_tier.items():  # the tiers that supplied them, in order
+                                share = min(int(n), take)
+                                if share > 0:
+                                    by_tier[tier] = by_tier.get(tier, 0) + share
+                                    take -= share
+                            pos = got
+        except HiCacheError as exc:
+            log.warning("hicache: receiving the KV of %s failed: %r", rec.req_id, exc)
+        finally:
+            if self._receives.get(rec.req_id) is rec:
+                del self._receives[rec.req_id]
+            loaded = (pos - spec.first_page) * ps
+            missing = (spec.end_page - pos) * ps
+            c.pd_receive_wait_s += time.perf_counter() - rec.started
+            if missing:
+                c.pd_receive_failures += 1
+                if not rec.cancelled:
+                    log.info("hicache: %s: %d of %d tokens from the prefill server arrived within %.1f s; vLLM "
+                             "recomputes the rest", rec.req_id, loaded, loaded + missing, self.options.receive_timeout_s)
+            else:
+                c.pd_receives += 1
+            c.pd_received_tokens += loaded
+            self.service.record_loads([(rec.req_id, loaded, by_tier, missing)])
+            with self._lock:
+                self._received.append(ReceiveOutcome(spec, pos))
+            self._ready.set()
+
+    def forget(self, req_id: str, *, finished: bool = True) -> None:
+        """The request finished or was aborted (``finished``), or vLLM holds its prefix itself: end its receive."""
+        self._end(req_id)
+        if finished:
+            self._forgotten[req_id] = None
+            while len(self._forgotten) > _FORGOTTEN:
+                self._forgotten.popitem(last=False)
+
+    def _end(self, req_id: str) -> None:
+        rec = self._receives.pop(req_id, None)
+        if rec is not None:
+            rec.cancel()
+
+    # -- for vLLM's thread ------------------------------------------------------------------------
+
+    def take(self, finished_req_ids: set[str], wait_s: float = 0.0) -> tuple[set[str], list[ReceiveOutcome]]:
+        """Sends done (of requests vLLM has said finished) and receives done since the last call.
+
+        ``wait_s``: with nothing done but hand-offs in flight, wait that long for one to end. vLLM
+        steps without a forward while requests only wait for transfers, calling this every few
+        hundred microseconds: a short wait here keeps that loop from spinning two cores, and a
+        transfer that ends wakes it at once.
+        """
+        if wait_s > 0 and not self._ready.is_set() and (self._sends or self._receives):
+            self._ready.wait(wait_s)
+        self._ready.clear()
+        with self._lock:
+            for rid in finished_req_ids:
+                if rid in self._sending or rid in self._sent:
+                    self._finished.add(rid)
+            sent = self._sent & self._finished
+            self._sent -= sent
+            self._finished -= sent
+            received, self._received = self._received, []
+        return sent, received
+
+    @property
+    def in_flight(self) -> tuple[int, int]:
+        """(hand-offs being made durable, receives waiting or copying)."""
+        return self._sends, len(self._receives)

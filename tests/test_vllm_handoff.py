@@ -1,0 +1,205 @@
+"""Prefill/decode hand-offs between two vLLM connector services (``handoff.py``), without vLLM.
+
+Two real caches, each in its own ``CacheService`` (the connector worker's loop and channel), share
+a real folder as their storage tier: the producer hands a prompt off over its channel, exactly as
+the connector's scheduler does, and the consumer watches for it and copies it in. What vLLM adds
+around this (blocks, ``WAITING_FOR_REMOTE_KVS``) is tested with two ``vllm serve`` processes in
+``tests/vllm/test_vllm_pd.py``; here every outcome that does not need vLLM: the pages arrive bit
+for bit, a consumer of another namespace is refused (and gets nothing even with a forged check),
+a flushed tier, a failing or stalled producer and an aborted request all end within their bounds,
+counted, never as an error.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from anyio.from_thread import start_blocking_portal
+
+from hicache import load_config
+from hicache.integrations.vllm.channel import ChannelClient, socket_path
+from hicache.integrations.vllm.handoff import page_check
+from hicache.integrations.vllm.service import CacheService
+from hicache.integrations.vllm.settings import ConnectorOptions, PDOptions
+
+from .conftest import make_kv, make_tokens
+
+PS = 4
+
+
+@dataclass(frozen=True)
+class ReceiveSpec:
+    """``metadata.ReceiveSpec``'s fields (that module imports vLLM, which this environment lacks)."""
+
+    req_id: str
+    tokens: list[int]
+    first_page: int
+    end_page: int
+    block_ids: list[int]
+
+
+def _config(storage: list[dict[str, Any]], tenant_salt: str = "", **model: Any) -> Any:
+    return load_config(overrides={
+        "tenant_salt": tenant_salt,
+        "model": {"name": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32", **model},
+        "page_size": PS,
+        "tiers": {"device": {"capacity": "64KiB", "device": "cpu"}, "host": {"capacity": "64KiB"}, "storage": storage},
+        "policies": {"write": "write_through", "prefetch": "wait_complete", "prefetch_threshold_tokens": 0},
+        "controller": {"shutdown_timeout_s": 1.0},
+    }, env={})
+
+
+def _options(send_s: float = 5.0, receive_s: float = 5.0) -> ConnectorOptions:
+    return ConnectorOptions(stats_interval_s=0, pd=PDOptions(send_timeout_s=send_s, receive_timeout_s=receive_s))
+
+
+class Copied:
+    """A consumer's ``copy_in`` that reads what it is given, as the worker copies it into vLLM's blocks:
+    every layer of the held pages, by token page."""
+
+    def __init__(self) -> None:
+        self.pages: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, block_ids: list[int], first_page: int, segments: list[tuple[Any, list[int]]]) -> None:
+        page = first_page
+        for tier, pages in segments:
+            for p in pages:
+                self.pages[page] = [tier.layer_view(layer)[p].clone() for layer in range(2)]
+                page += 1
+
+
+def _page_kv(kv: torch.Tensor, page: int) -> list[torch.Tensor]:
+    """``kv`` ``[C, L, T, H, D]``, page ``page`` of each layer as a host page holds it ``[C, ps * H * D]``."""
+    chunk = kv[:, :, page * PS : (page + 1) * PS]
+    return [chunk[:, layer].reshape(chunk.shape[0], -1) for layer in range(kv.shape[1])]
+
+
+def _wait(fn: Any, timeout_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError("not within the bound")
+
+
+def _received(service: CacheService) -> list[Any]:
+    return _wait(lambda: service.handoffs.take(set())[1])
+
+
+def test_a_prompt_handed_off_through_a_shared_folder_arrives_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    shared = [{"kind": "file", "path": str(tmp_path / "shared"), "name": "shared"}]
+    tokens = make_tokens(9 * PS + 2)
+    producer_cfg = _config(shared)
+    kv = make_kv(producer_cfg, 9 * PS)
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(CacheService(producer_cfg, socket_path("p"), _options())) as producer, \
+                portal.wrap_async_context_manager(CacheService(_config(shared), socket_path("d"), _options())) as consumer:
+            portal.call(producer.cache.store, tokens[: 9 * PS], kv)
+            to_producer, to_consumer = ChannelClient(socket_path("p")), ChannelClient(socket_path("d"))
+            reply = to_producer.call({"op": "handoff", "req": "r1", "tokens": tokens[: 9 * PS + 1]})
+            assert reply is not None and reply["tokens"] == 9 * PS and len(reply["check"]) == 32
+            # Sent is reported only for a request vLLM has said finished (get_finished's contract).
+            time.sleep(0.3)
+            assert producer.handoffs.take(set())[0] == set()
+            assert _wait(lambda: producer.handoffs.take({"r1"})[0]) == {"r1"}
+            assert producer.counters.pd_sends == 1 and producer.counters.pd_sent_tokens == 9 * PS
+            # The consumer: the queued lookup carries the hand-off; 8 pages are to come (one token left).
+            reply = to_consumer.call({"op": "lookup", "req": "r1", "tokens": tokens[: 9 * PS], "prefetch": True,
+                                      "expect": {"tokens": 8 * PS, "checks": [reply["check"]]}})
+            assert reply is not None and reply["expect"] is True
+            copied = Copied()
+            spec = ReceiveSpec("r1", tokens[: 8 * PS], 2, 8, list(range(8)))  # vLLM holds pages 0-1 itself
+            portal.call(consumer.begin_receives, [spec], copied)
+            (outcome,) = _received(consumer)
+            assert outcome.spec is spec and outcome.from_page == 8  # everything arrived
+            assert sorted(copied.pages) == list(range(2, 8))  # only what vLLM lacked
+            for page, layers in copied.pages.items():
+                for got, want in zip(layers, _page_kv(kv, page)):
+                    assert torch.equal(got, want)
+            c = consumer.counters
+            assert (c.pd_receives, c.pd_received_tokens, c.pd_receive_failures) == (1, 6 * PS, 0)
+            assert consumer.records["r1"]["loaded_tokens"] == 6 * PS and consumer.records["r1"]["failed_tokens"] == 0
+            to_producer.close()
+            to_consumer.close()
+
+
+@pytest.mark.parametrize("differs", [{"tenant_salt": "another-tenant"}, {"revision": "other-weights"}])
+def test_a_consumer_of_another_namespace_is_refused_and_gets_nothing_even_with_a_forged_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, differs: dict[str, str]
+) -> None:
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    shared = [{"kind": "file", "path": str(tmp_path / "shared"), "name": "shared"}]
+    tokens = make_tokens(6 * PS)
+    producer_cfg = _config(shared)
+    consumer_cfg = _config(shared, **differs)
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(CacheService(producer_cfg, socket_path("p"), _options())) as producer, \
+                portal.wrap_async_context_manager(
+                    CacheService(consumer_cfg, socket_path("d"), _options(receive_s=0.5))) as consumer:
+            portal.call(producer.cache.store, tokens, make_kv(producer_cfg, len(tokens)))
+            handed = portal.call(producer.handoffs.handoff, "r1", tokens)
+            _wait(lambda: producer.handoffs.take({"r1"})[0])
+            assert not portal.call(consumer.handoffs.expect, "r1", tokens, 4 * PS, [handed["check"]], 0)
+            assert consumer.counters.pd_receives_refused == 1
+            # A check forged to match this consumer: the pages still cannot be found under its keys.
+            forged = page_check(consumer.cache.controller.tree.seed, tokens, PS)
+            assert forged != handed["check"]
+            assert portal.call(consumer.handoffs.expect, "r2", tokens, 4 * PS, [forged], 0)
+            copied = Copied()
+            portal.call(consumer.begin_receives, [ReceiveSpec("r2", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            (outcome,) = _received(consumer)
+            assert outcome.from_page == 0 and copied.pages == {}  # nothing: vLLM computes it all
+            assert consumer.counters.pd_receive_failures == 1 and consumer.counters.pd_received_tokens == 0
+
+
+def test_a_flushed_tier_a_failing_or_stalled_producer_and_an_aborted_request_end_within_their_bounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    folder = tmp_path / "shared"
+    shared = [{"kind": "file", "path": str(folder), "name": "shared"}]
+    tokens = make_tokens(4 * PS + 1)
+    cfg = _config(shared)
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(CacheService(cfg, socket_path("p"), _options())) as producer, \
+                portal.wrap_async_context_manager(
+                    CacheService(_config(shared), socket_path("d"), _options(receive_s=0.5))) as consumer:
+            portal.call(producer.cache.store, tokens[: 4 * PS], make_kv(cfg, 4 * PS))
+            handed = portal.call(producer.handoffs.handoff, "r1", tokens)
+            _wait(lambda: producer.handoffs.take({"r1"})[0])
+            for page in folder.rglob("*.kv"):  # the shared tier flushed between prefill and decode
+                page.unlink()
+            assert portal.call(consumer.handoffs.expect, "r1", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0)
+            started = time.monotonic()
+            copied = Copied()
+            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            (outcome,) = _received(consumer)
+            assert outcome.from_page == 0 and copied.pages == {}
+            assert 0.4 < time.monotonic() - started < 5  # its receive_timeout_s, then vLLM recomputes
+            # An aborted request ends its receive at once (its blocks are freed after it is reported).
+            assert portal.call(consumer.handoffs.expect, "r2", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0)
+            portal.call(consumer.handoffs.forget, "r2")
+            portal.call(consumer.begin_receives, [ReceiveSpec("r2", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            (outcome,) = _received(consumer)
+            assert outcome.spec.req_id == "r2" and outcome.from_page == 0
+            assert consumer.counters.pd_receive_failures == 2
+
+    for kind, bound in (("tests.fakes:FailingStorageBackend", 5.0), ("tests.fakes:StallingStorageBackend", 5.0)):
+        cfg = _config([{"kind": kind, "name": "shared"}])
+        with start_blocking_portal() as portal, portal.wrap_async_context_manager(
+                CacheService(cfg, socket_path("p2"), _options(send_s=0.5))) as producer:
+            portal.call(producer.cache.store, tokens[: 4 * PS], make_kv(cfg, 4 * PS))
+            started = time.monotonic()
+            handed = portal.call(producer.handoffs.handoff, "r1", tokens)
+            assert handed["tokens"] == 4 * PS  # held in memory: promised; the write decides
+            assert _wait(lambda: producer.handoffs.take({"r1"})[0]) == {"r1"}  # reported, so vLLM frees the blocks
+            assert time.monotonic() - started < bound
+            assert producer.counters.pd_send_failures == 1 and producer.counters.pd_sends == 0
