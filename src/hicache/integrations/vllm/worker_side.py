@@ -328,11 +328,11 @@ class WorkerSide:
         blocks, every layer (vLLM runs no forward over these blocks until they are reported)."""
         plans, page = [], first_page
         for tier, pages in segments:
-            plans.append((tier, self.layout.runs(block_ids, page, pages)))
+            plans.append((self._views(tier), self.layout.runs(block_ids, page, pages)))
             page += len(pages)
-        for layer, kv in self.layers.values():
-            for tier, runs in plans:
-                self.layout.load(tier.layer_view(layer), kv, runs)
+        for layer, blocks in self.layers.values():
+            for views, runs in plans:
+                self.layout.copy_in(views[layer], blocks, runs)
 
 
 def _scale(by_tier: dict[str, int], kept: int, tokens: int) -> dict[str, int]:
