@@ -277,9 +277,13 @@ def run_config(config: str, args: argparse.Namespace, workloads: dict[str, Multi
             for name, workload in workloads.items():
                 label = f"{name}-{config}"
                 before = _snapshots(servers)
+                sources_before = _by_source(servers.servers[-1])
                 result = run_workload(servers, workload.conversations(geo["vocab"]), _driver_settings(args, name),
                                       out=out, label=label, vocab=geo["vocab"], progress=not args.quiet)
                 after = _snapshots(servers)
+                sources_after = _by_source(servers.servers[-1])
+                result["decode_prompt_tokens_by_source"] = {
+                    k: v - sources_before.get(k, 0.0) for k, v in sources_after.items()}
                 if raw is not None:
                     result["transfer"] = transfer_cost(before, after, raw, geo["token_bytes"])
                 if config == "example":
@@ -303,6 +307,22 @@ def _snapshots(servers: ServerSet) -> dict[str, Any]:
     return out
 
 
+def _by_source(server: VllmServer) -> dict[str, float]:
+    """vLLM's ``vllm:prompt_tokens_by_source`` on the server that answers (the decode server; the
+    only one alone): prompt tokens computed there, hit in its own prefix cache, or transferred. The
+    clients' ``cached_tokens`` do not count a transfer vLLM waited for asynchronously, so what a
+    decode server computed is read here."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(server.scrape()):
+        if family.name == "vllm:prompt_tokens_by_source":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.labels["source"]] = out.get(sample.labels["source"], 0.0) + sample.value
+    return out
+
+
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
 
@@ -312,7 +332,12 @@ def summarise_workload(name: str, runs: dict[str, dict[str, Any]], base: str) ->
     for config, r in runs.items():
         s = summarise(r["records"], r["wall_s"])
         s["requests_per_s"] = s["requests"] / s["duration_s"]
-        s["computed_tokens_per_request"] = (s["input_tokens"] - s["cached_tokens"]) / max(1, s["requests"])
+        sources = r.get("decode_prompt_tokens_by_source") or {}
+        if "local_compute" in sources:  # what the answering server computed, transfers counted as not
+            s["computed_tokens_per_request"] = sources["local_compute"] / max(1, s["requests"])
+            s["decode_prompt_tokens_by_source"] = sources
+        else:
+            s["computed_tokens_per_request"] = (s["input_tokens"] - s["cached_tokens"]) / max(1, s["requests"])
         if "transfer" in r:
             s["transfer"] = r["transfer"]
         summaries[config] = s
