@@ -10,7 +10,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from hicache.soak.servers import (  # noqa: F401 - re-exported for the tests
     ServerProcess,
     free_port,
     mooncake_master_binary,
+    port_free,
     unclaimable_free_ports,
     valkey_argv,
     valkey_binary,
@@ -68,13 +68,7 @@ def weed_binary() -> str | None:
 
 
 def _ports_free(ports: Sequence[int]) -> bool:
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
+    return all(port_free(port) for port in ports)
 
 
 def free_ports_with_twins(count: int = 1) -> int:

@@ -45,7 +45,7 @@ from .models import smollm2_dir
 from .pd_tiers import SharedTier, start_tier
 from .profiling import cpu_pressure
 from .report import _grid, outputs_of, summarise
-from .serve_bench import longest_context, serve_sizes, workload_of
+from .serve_bench import add_workload_arguments, longest_context, serve_sizes, workload_of
 from .serve_run import run_workload
 from .vllm_bench import _finite, _geometry
 from .vllm_server import ProxyProcess, ServerSet, VllmServer, free_port
@@ -66,22 +66,7 @@ REPO = Path(__file__).resolve().parents[3]
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("pd", help="prefill/decode disaggregation over vllm serve: hicache (Valkey, Mooncake, NIXL) "
                                   "against vLLM's ExampleConnector and one server alone (needs vLLM)")
-    p.add_argument("workload", nargs="?", choices=[*WORKLOADS, "both"], default="both")
-    g = p.add_argument_group("multiturn")
-    g.add_argument("--num-clients", type=int, default=MULTITURN.clients)
-    g.add_argument("--num-rounds", type=int, default=MULTITURN.rounds)
-    g.add_argument("--request-length", type=int, default=MULTITURN.request_len, help="new tokens per turn")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
-    g.add_argument("--ready-queue-policy", choices=["fifo", "random"], default="random")
-    g.add_argument("--round-barrier", action="store_true", help="start round k+1 when every client ended round k")
-    g = p.add_argument_group("long-context")
-    g.add_argument("--num-documents", type=int, default=LONG_CONTEXT.documents)
-    g.add_argument("--document-length", type=int, default=LONG_CONTEXT.document_len)
-    g.add_argument("--questions-per-document", type=int, default=LONG_CONTEXT.questions)
-    g.add_argument("--question-length", type=int, default=LONG_CONTEXT.question_len)
-    g = p.add_argument_group("both")
-    g.add_argument("--output-length", type=int, default=MULTITURN.output_len, help="answer tokens per request")
-    g.add_argument("--max-parallel", type=int, default=4, help="requests in flight from the clients")
+    add_workload_arguments(p, MULTITURN, LONG_CONTEXT)
     g = p.add_argument_group("run")
     g.add_argument("--configs", default=",".join(DEFAULT_CONFIGURATIONS),
                    help=f"comma-separated, in run order, from {', '.join(CONFIGURATIONS)}")

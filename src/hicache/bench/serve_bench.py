@@ -65,25 +65,31 @@ MULTITURN = MultiTurn(clients=16, rounds=5, request_len=512, output_len=16)
 LONG_CONTEXT = LongContext(documents=12, document_len=1536, questions=8, question_len=64, output_len=16)
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="vllm serve over HTTP: multi-turn and long-context load, alone, with hicache, "
-                                     "unbounded (needs vLLM)")
+def add_workload_arguments(p: Any, multiturn: MultiTurn, long_context: LongContext) -> None:
+    """The workload and its options, with ``multiturn``'s and ``long_context``'s sizes as defaults
+    (``hicache bench serve`` and ``hicache bench pd`` run the same workloads)."""
     p.add_argument("workload", nargs="?", choices=[*WORKLOADS, "both"], default="both")
     g = p.add_argument_group("multiturn")
-    g.add_argument("--num-clients", type=int, default=MULTITURN.clients)
-    g.add_argument("--num-rounds", type=int, default=MULTITURN.rounds)
-    g.add_argument("--request-length", type=int, default=MULTITURN.request_len, help="new tokens per turn")
+    g.add_argument("--num-clients", type=int, default=multiturn.clients)
+    g.add_argument("--num-rounds", type=int, default=multiturn.rounds)
+    g.add_argument("--request-length", type=int, default=multiturn.request_len, help="new tokens per turn")
     g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
     g.add_argument("--ready-queue-policy", choices=["fifo", "random"], default="random")
     g.add_argument("--round-barrier", action="store_true", help="start round k+1 when every client ended round k")
     g = p.add_argument_group("long-context")
-    g.add_argument("--num-documents", type=int, default=LONG_CONTEXT.documents)
-    g.add_argument("--document-length", type=int, default=LONG_CONTEXT.document_len)
-    g.add_argument("--questions-per-document", type=int, default=LONG_CONTEXT.questions)
-    g.add_argument("--question-length", type=int, default=LONG_CONTEXT.question_len)
+    g.add_argument("--num-documents", type=int, default=long_context.documents)
+    g.add_argument("--document-length", type=int, default=long_context.document_len)
+    g.add_argument("--questions-per-document", type=int, default=long_context.questions)
+    g.add_argument("--question-length", type=int, default=long_context.question_len)
     g = p.add_argument_group("both")
-    g.add_argument("--output-length", type=int, default=MULTITURN.output_len, help="answer tokens per request")
+    g.add_argument("--output-length", type=int, default=multiturn.output_len, help="answer tokens per request")
     g.add_argument("--max-parallel", type=int, default=4, help="requests in flight from the clients")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("serve", help="vllm serve over HTTP: multi-turn and long-context load, alone, with hicache, "
+                                     "unbounded (needs vLLM)")
+    add_workload_arguments(p, MULTITURN, LONG_CONTEXT)
     g = p.add_argument_group("run")
     g.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated, in run order")
     g.add_argument("--config", default=None, help="hicache YAML for the connector (default: config/vllm.yaml)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 __all__ = [
     "ServerProcess", "free_port", "wait_for_port", "valkey_binary", "valkey_argv", "mooncake_master_binary",
-    "mooncake_master_argv", "MooncakeMaster", "start_mooncake_master", "unclaimable_free_ports",
+    "mooncake_master_argv", "MooncakeMaster", "start_mooncake_master", "unclaimable_free_ports", "port_free",
 ]
 
 
@@ -36,12 +36,13 @@ def unclaimable_free_ports(count: int) -> list[int]:
     rng = random.Random()
     for _ in range(200):
         ports = rng.sample(range(20000, 32000), count)
-        if all(_port_free(port) for port in ports):
+        if all(port_free(port) for port in ports):
             return ports
     raise RuntimeError(f"no {count} free ports between 20000 and 32000")
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether nothing on 127.0.0.1 holds ``port`` now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))

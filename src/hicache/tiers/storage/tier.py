@@ -501,12 +501,8 @@ class StorageTier:
             # it: no encoding stage, no hop of its own, and the page is read twice back to back.
             for start in starts:
                 k = keys[start : start + step]
-                ios = self._page_ios(host_pages[start : start + step], source, seal_keys=k)
-                try:
-                    n = await self.backend.set(k, ios)
-                    self._succeeded()
-                except StorageError as exc:
-                    self._failed(exc)
+                n = await self._set(k, self._page_ios(host_pages[start : start + step], source, seal_keys=k))
+                if n < 0:
                     return total
                 total += n
                 self.stored_pages += n
@@ -531,12 +527,7 @@ class StorageTier:
             async with anyio.create_task_group() as tg:
                 if i + 1 < len(starts):
                     tg.start_soon(encode, starts[i + 1])
-                try:
-                    n = await self.backend.set(k, ios)
-                    self._succeeded()
-                except StorageError as exc:
-                    self._failed(exc)
-                    n = -1
+                n = await self._set(k, ios)
             if n < 0:
                 return total
             total += n
@@ -544,6 +535,16 @@ class StorageTier:
             if n < len(k):
                 break
         return total
+
+    async def _set(self, keys: Sequence[bytes], ios: list[PageIO]) -> int:
+        """One backend ``set``: pages stored from the first, or -1 when it failed (counted)."""
+        try:
+            n = await self.backend.set(keys, ios)
+        except StorageError as exc:
+            self._failed(exc)
+            return -1
+        self._succeeded()
+        return n
 
     def _failed(self, exc: StorageError) -> None:
         # One warning when the tier starts failing, not one per request while it stays down.
