@@ -169,6 +169,45 @@ async def test_a_decode_server_dying_mid_stream_ends_the_stream_with_an_error_ev
     assert json.loads(events[1].removeprefix(b"data: "))["error"]["code"] == 502
 
 
+async def test_a_client_leaving_mid_stream_drops_the_decode_stream_and_the_next_request_is_served(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The client closes after the first chunk; the decode server then sends the rest. The proxy
+    counts the client gone, logs no error, drops that upstream connection half-read (never reused),
+    and the next request through it gets its whole answer."""
+    gate = asyncio.Event()
+    prefill, decode = FakeOpenAIServer("prefill"), FakeOpenAIServer("decode", gate=gate)
+    await prefill.start()
+    await decode.start()
+    app, proxy = build_app(ProxySettings([prefill.url], [decode.url]))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with ClientSession(timeout=ClientTimeout(total=30)) as client:
+            r = await client.post(url + "/v1/chat/completions", json=CHAT)
+            assert r.status == 200
+            await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+            r.close()  # the client goes away with the answer half sent
+            gate.set()  # the decode server sends the rest into a closed client
+            deadline = time.monotonic() + 10
+            while proxy.clients_gone == 0:
+                assert time.monotonic() < deadline, "the proxy never noticed the client had gone"
+                await asyncio.sleep(0.02)
+            async with client.post(url + "/v1/chat/completions", json=CHAT) as again:
+                events = (await asyncio.wait_for(again.content.read(), 10)).split(b"\n\n")
+        assert [json.loads(e.removeprefix(b"data: "))["choices"][0]["text"] for e in events[:3]] == ["t0", "t1", "t2"]
+        assert events[3] == b"data: [DONE]"
+        assert proxy.clients_gone == 1
+        assert not [rec for rec in caplog.records if rec.levelname == "ERROR"], "a client leaving is not an error"
+    finally:
+        await runner.cleanup()
+        await prefill.stop()
+        await decode.stop()
+
+
 def test_server_lists_and_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     from hicache.cli import main
 

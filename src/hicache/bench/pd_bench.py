@@ -386,6 +386,12 @@ def format_workload(w: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_first_line(e) for e in exc.exceptions)
+    return (str(exc).splitlines() or [""])[0][:300]
+
+
 def run_pd_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         raise SystemExit("hicache bench pd needs vLLM: run it from .venv-vllm")
@@ -411,16 +417,26 @@ def run_pd_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     "cpu_pressure_at_start": cpu_pressure()},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": {}, "workloads": {},
     }
+    failed: dict[str, str] = {}
     for config in configs:
         print(f"hicache bench pd: {config}", file=sys.stderr)
-        report["runs"][config] = run_config(config, args, workloads, sizes, geo, out)
-        (out / "results.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
-    base = configs[0]
-    for name in names:
-        runs = {c: report["runs"][c][name] for c in configs}
+        try:
+            report["runs"][config] = run_config(config, args, workloads, sizes, geo, out)
+        except Exception as exc:  # one configuration's failure is reported; the others still run
+            failed[config] = f"{type(exc).__name__}: {_first_line(exc)}"
+            print(f"hicache bench pd: {config} FAILED: {failed[config]} (its servers' logs are in {out})",
+                  file=sys.stderr)
+        (out / "results.json").write_text(json.dumps(_finite(report | {"failed": failed}), indent=1, allow_nan=False))
+    report["failed"] = failed
+    ran = [c for c in configs if c not in failed]
+    base = ran[0] if ran else configs[0]
+    for name in names if ran else []:
+        runs = {c: report["runs"][c][name] for c in ran}
         report["workloads"][name] = summarise_workload(name, runs, base)
         print(format_workload(report["workloads"][name]))
         print()
+    for config, why in failed.items():
+        print(f"  {config}: FAILED ({why})")
     report["machine"]["cpu_pressure_at_end"] = cpu_pressure()
     (out / "results.json").write_text(json.dumps(_finite(report), indent=1, allow_nan=False))
     print(f"wrote {out / 'results.json'}, the servers' logs and scrapes in {out}")

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientConnectionResetError, ClientError, ClientSession, ClientTimeout, web
 
 __all__ = ["PDProxy", "ProxySettings", "build_app", "main"]
 
@@ -102,6 +102,7 @@ class PDProxy:
     session: ClientSession | None = field(init=False, default=None)
     requests: int = field(init=False, default=0)
     without_kv: int = field(init=False, default=0)  # prefill answers without kv_transfer_params
+    clients_gone: int = field(init=False, default=0)  # clients that closed during their answer
 
     def __post_init__(self) -> None:
         self._prefill = itertools.cycle(self.settings.prefill)
@@ -195,8 +196,16 @@ class PDProxy:
                 if resp.charset:
                     response.charset = resp.charset
                 await response.prepare(request)
-                async for chunk in resp.content.iter_any():
-                    await response.write(chunk)
+                try:
+                    async for chunk in resp.content.iter_any():
+                        await _to_client(response, chunk)
+                except ClientGone:
+                    # The client left mid-answer: drop the decode server's stream (its connection is
+                    # closed, never reused half-read; vLLM aborts the request) and end quietly.
+                    resp.close()
+                    self.clients_gone += 1
+                    log.info("a client left during the answer from %s: its request ends there", server)
+                    return response
         except (TimeoutError, ClientError, UpstreamError) as exc:
             if isinstance(exc, UpstreamError):
                 message = str(exc)
@@ -209,8 +218,14 @@ class PDProxy:
                 return _error(502, message)
             # The answer has begun: the status is sent. A stream ends with an error event.
             event = {"error": {"message": message, "type": "bad_gateway", "code": 502}}
-            await response.write(f"data: {json.dumps(event)}\n\n".encode())
-        await response.write_eof()
+            try:
+                await _to_client(response, f"data: {json.dumps(event)}\n\n".encode())
+            except ClientGone:
+                return response
+        try:
+            await response.write_eof()
+        except _CLIENT_WRITE_ERRORS:  # the client left after the last chunk
+            self.clients_gone += 1
         return response
 
     async def models(self, _request: web.Request) -> web.Response:
@@ -226,7 +241,21 @@ class PDProxy:
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "prefill": list(self.settings.prefill),
                                   "decode": list(self.settings.decode), "requests": self.requests,
-                                  "prefill_without_kv": self.without_kv})
+                                  "prefill_without_kv": self.without_kv, "clients_gone": self.clients_gone})
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it closed its connection."""
+
+
+_CLIENT_WRITE_ERRORS = (ConnectionResetError, ClientConnectionResetError)
+
+
+async def _to_client(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except _CLIENT_WRITE_ERRORS as exc:
+        raise ClientGone from exc
 
 
 def _error(status: int, message: str) -> web.Response:
