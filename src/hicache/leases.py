@@ -32,7 +32,24 @@ if TYPE_CHECKING:
 __all__ = ["RetrieveView", "SlotReservation", "HeldPrefix", "Lease"]
 
 
-class RetrieveView:
+class _PinnedPrefix:
+    """A prefix held by a radix-tree pin: ``release`` unpins it once, however often it is called."""
+
+    _pin: Pin | None
+    _released: bool
+
+    def release(self) -> None:
+        """Unpin the prefix (idempotent); called when the ``async with`` block exits."""
+        if not self._released:
+            self._released = True
+            if self._pin is not None:
+                self._pin.release()
+
+    async def arelease(self) -> None:
+        self.release()
+
+
+class RetrieveView(_PinnedPrefix):
     """The cached prefix of a retrieve, pinned on the device tier until the block exits.
 
     ``tokens`` is the prefix length (whole pages). ``wait_layer(i)`` returns once layer ``i`` is on
@@ -103,16 +120,6 @@ class RetrieveView:
         if not self.is_layer_ready(layer):
             raise InvalidRequestError(f"layer {layer} has not arrived yet: `await view.wait_layer({layer})` first")
         return self._read_layer(self.device_pages, layer)
-
-    def release(self) -> None:
-        """Unpin the prefix (idempotent); called when the ``async with`` block exits."""
-        if not self._released:
-            self._released = True
-            if self._pin is not None:
-                self._pin.release()
-
-    async def arelease(self) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         return f"<RetrieveView tokens={self.tokens} by_tier={dict(self.by_tier)} released={self._released}>"
@@ -188,7 +195,7 @@ class SlotReservation:
             self._free(self.pages)
 
 
-class HeldPrefix:
+class HeldPrefix(_PinnedPrefix):
     """A cached prefix pinned in the tiers where it lies, until the block exits (``HiCache.hold``).
 
     Nothing is copied: an engine that copies KV into its own memory reads the pages in place, layer
@@ -227,16 +234,6 @@ class HeldPrefix:
         if self._released:
             raise InvalidRequestError("this HeldPrefix was released when its `async with` block exited")
         self._check_open()
-
-    def release(self) -> None:
-        """Unpin the prefix (idempotent); called when the ``async with`` block exits."""
-        if not self._released:
-            self._released = True
-            if self._pin is not None:
-                self._pin.release()
-
-    async def arelease(self) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         where = [(tier.name, len(pages)) for tier, pages in self.segments]

@@ -52,7 +52,7 @@ from .profiling import cpu_pressure
 from .report import outputs_of, summarise
 from .serve_report import check_targets, format_report, plot_serve
 from .serve_run import run_workload
-from .vllm_bench import _finite, _geometry, default_config_path
+from .vllm_bench import _finite, _geometry, default_config_path, size_table
 from .vllm_server import ServerSet, VllmServer
 from .workloads import LongContext, MultiTurn
 
@@ -136,18 +136,9 @@ def serve_sizes(args: argparse.Namespace, workload: MultiTurn | LongContext, tok
     # The host tier holds at least what the running requests hold and save at once (their pages are
     # pinned while loaded, reserved while saved), and a block more.
     host_pages = max(math.ceil(kv_tokens * args.host_fraction / bs), running * max_model_len // bs + 1)
-    return {
-        "kv_tokens": kv_tokens,
-        "max_model_len": max_model_len,
-        "running": running,
-        "vllm_kv_tokens": blocks * bs,
-        "kv_cache_bytes": (blocks + 1) * page_bytes,  # vLLM keeps block 0 as its null block
-        "unbounded_kv_tokens": unbounded * bs,
-        "unbounded_kv_cache_bytes": (unbounded + 1) * page_bytes,
-        "host_tokens": host_pages * bs,
-        "host_bytes": host_pages * page_bytes,
-        "file_bytes": (math.ceil(kv_tokens / bs) + workload.requests + 1) * 4 * page_bytes,
-    }
+    return size_table(bs, page_bytes, kv_tokens=kv_tokens, max_model_len=max_model_len, running=running,
+                      blocks=blocks, unbounded=unbounded, host_pages=host_pages,
+                      file_pages=(math.ceil(kv_tokens / bs) + workload.requests + 1) * 4)
 
 
 def server_for(args: argparse.Namespace, name: str, label: str, sizes: dict[str, int], out: Path) -> VllmServer:

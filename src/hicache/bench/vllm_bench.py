@@ -129,6 +129,15 @@ def _sizes(args: argparse.Namespace, workload: MultiTurn, geo: dict[str, int]) -
     # file tier passes through it whole before it is copied into vLLM's blocks, and a step's new pages
     # are reserved there while vLLM computes them.
     host_pages = max(math.ceil(kv_tokens * args.host_fraction / bs), running * max_model_len // bs + 1)
+    return size_table(bs, page_bytes, kv_tokens=kv_tokens, max_model_len=max_model_len, running=running,
+                      blocks=blocks, unbounded=unbounded, host_pages=host_pages,
+                      file_pages=max(1, math.ceil(kv_tokens * 4 / bs)))
+
+
+def size_table(bs: int, page_bytes: int, *, kv_tokens: int, max_model_len: int, running: int, blocks: int,
+               unbounded: int, host_pages: int, file_pages: int) -> dict[str, int]:
+    """A benchmark's sizes in tokens and bytes, from its block counts (vLLM's KV: ``blocks``; the
+    limit's: ``unbounded``; hicache's host and file tiers: ``host_pages``, ``file_pages``)."""
     return {
         "kv_tokens": kv_tokens,
         "max_model_len": max_model_len,
@@ -139,7 +148,7 @@ def _sizes(args: argparse.Namespace, workload: MultiTurn, geo: dict[str, int]) -
         "unbounded_kv_cache_bytes": (unbounded + 1) * page_bytes,
         "host_tokens": host_pages * bs,
         "host_bytes": host_pages * page_bytes,
-        "file_bytes": max(1, math.ceil(kv_tokens * 4 / bs)) * page_bytes,
+        "file_bytes": file_pages * page_bytes,
     }
 
 
