@@ -321,3 +321,18 @@ def test_interleave_says_what_it_needs(tmp_path: Path) -> None:
         bench(tmp_path, "multiturn", "--configs", "no-cache,oracle", "--interleave")
     with pytest.raises(SystemExit, match="warm-restart"):
         bench(tmp_path, "multiturn", "--configs", "hierarchical,warm-restart", "--interleave", "--sequential")
+
+
+def test_prefills_that_shared_a_step_are_counted() -> None:
+    from hicache.bench.vllm_overhead import _shared_prefills
+
+    def rec(arrival: float, ttft: float) -> dict[str, float]:
+        return {"arrival_s": arrival, "ttft_s": ttft}
+
+    # two pairs arriving together: the first pair's prefills ran in one step (first tokens together),
+    # the second pair's one after the other (the second waited a whole prefill)
+    batched = [rec(0.0, 3.9), rec(0.0, 3.91)]
+    alternated = [rec(5.0, 2.0), rec(5.0, 3.9)]
+    assert _shared_prefills(batched + alternated) == 2
+    assert _shared_prefills(alternated) == 0
+    assert _shared_prefills([rec(0.0, 1.0)]) == 0
