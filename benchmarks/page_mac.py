@@ -10,7 +10,10 @@ that runs on every page read from (and written to) a storage tier:
 
 * ``xxh3_64``: the unkeyed checksum used without a ``tenant_key`` (integrity only, not a MAC);
 * ``blake2b keyed``: ``hashlib.blake2b(key=...)`` from the standard library;
-* ``blake3 keyed``: the ``blake3`` package in keyed mode, one thread (``max_threads=1``);
+* ``aes-256-gmac``: what a tier with a ``tenant_key`` computes (``PageCodec``'s check value: AES-GCM
+  with the page as associated data, OpenSSL through ``cryptography``);
+* ``blake3 keyed``: the ``blake3`` package in keyed mode, one thread (``max_threads=1``), the keyed
+  check of earlier versions (page format 2);
 * ``blake3 keyed, N threads``: the same with ``max_threads=blake3.AUTO`` (Rayon's pool).
 
 Each candidate also runs in two Python threads at once (one page stream each) to show whether it
@@ -63,6 +66,7 @@ def candidates() -> dict[str, Callable[[Sequence[memoryview]], bytes]]:
         return h.digest()
 
     out: dict[str, Callable[[Sequence[memoryview]], bytes]] = {"xxh3_64 (no key)": xxh3, "blake2b keyed": blake2b}
+    out["aes-256-gmac (the tier's keyed check)"] = _page_gmac()
     try:
         import blake3
     except ImportError:
@@ -84,6 +88,23 @@ def candidates() -> dict[str, Callable[[Sequence[memoryview]], bytes]]:
     out["blake3 keyed, 1 thread"] = blake3_one
     out[f"blake3 keyed, AUTO threads ({os.cpu_count()} cpus)"] = blake3_auto
     return out
+
+
+def _page_gmac() -> Callable[[Sequence[memoryview]], bytes]:
+    """What a keyed tier computes per page: ``PageCodec``'s own check value (nonce + GMAC tag)."""
+    try:
+        import hicache  # noqa: F401
+    except ImportError:  # running from a checkout without `pip install -e .`
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+    import torch
+
+    from hicache.keys import TenantKey
+    from hicache.tiers.base import KVGeometry
+    from hicache.tiers.storage.page_format import PageCodec
+
+    codec = PageCodec(b"\x01" * 16, KVGeometry(2, 1, 1, 1, 1, torch.float32), TenantKey(KEY.hex()))
+    fields = bytes(88)
+    return lambda pieces: codec._check_value(fields, pieces)
 
 
 def time_pages(fn: Callable[[Sequence[memoryview]], object], pages: list[list[memoryview]]) -> float:

@@ -320,7 +320,7 @@ async def measure(args: argparse.Namespace, root: Path) -> tuple[dict[str, dict[
         "host_layout": args.host_layout,
         "fsync": args.fsync,
         "repeat": args.repeat,
-        "mac": "blake3 keyed (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)",
+        "mac": "aes-256-gmac (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)",
         "cpu_seconds": cpu,
         "backend_stats": {
             "pages_written": stats.pages_written, "pages_read": stats.pages_read, "errors": stats.errors,

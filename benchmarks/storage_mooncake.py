@@ -144,7 +144,7 @@ async def run(args: argparse.Namespace, settings: dict, n: int, payload: int, to
     for arr in (raw_src, raw_dst):
         raw.unregister_buffer(int(arr.ctypes.data))
     raw.close()
-    mac = "blake3 keyed (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)"
+    mac = "aes-256-gmac (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)"
     print(f"{n} pages of {payload / 2**20:.2f} MiB payload + {HEADER_BYTES} B header; tier: {mac}; best of {args.repeat}")
     print(f"{'op':<8}{'raw GB/s':>10}{'backend GB/s':>14}{'ratio':>8}{'tier GB/s':>11}{'ratio':>8}")
     for op, r, k, t in (("put/set", "raw put", "backend set", "tier set"), ("get", "raw get", "backend get", "tier get")):

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 4 + 128
     op_bytes = args.pages * page_bytes
-    mac = "blake3 keyed (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)"
+    mac = "aes-256-gmac (tenant_key)" if args.tenant_key else "xxh3-64 checksum (no key)"
     print(f"redis tier at {url}: {args.pages} pages x {page_bytes / 2**20:.2f} MiB, {mac}, best / median of {args.repeat}")
     print(f"{'op':6}  {'raw GB/s':>15}  {'hicache GB/s':>15}  {'ratio best / median':>20}")
     for op, by in times.items():

@@ -24,7 +24,13 @@ from hicache.containers import namespace_from_config
 from hicache.errors import ConfigError
 from hicache.keys import Namespace, TenantKey, as_token_bytes, chain_keys
 from hicache.tiers.base import KVGeometry
-from hicache.tiers.storage.page_format import _CHECKSUM_AT, HEADER_BYTES, PageCodec
+from hicache.tiers.storage.page_format import (
+    _CHECKSUM_AT,
+    HEADER_BYTES,
+    KEYED_FORMAT_VERSION,
+    PageCodec,
+    check_stored_page,
+)
 
 from .conftest import make_config, make_kv, make_tokens
 from .helpers import assert_consistent, push_to_storage
@@ -51,9 +57,41 @@ def test_keyed_pages_round_trip_and_carry_a_mac() -> None:
     codec = PageCodec(NS, GEOMETRY, TenantKey(KEY_A))
     header, payload = encoded(codec)
     assert codec.check(KEY, header, [payload]) is None
-    assert int.from_bytes(bytes(header[8:10]), "little") == 2  # the keyed format
+    assert int.from_bytes(bytes(header[8:10]), "little") == KEYED_FORMAT_VERSION == 5  # keyed: AES-GMAC
     payload[7] ^= 1
     assert codec.check(KEY, header, [payload]) == "mac"
+
+
+def test_the_gmac_takes_a_fresh_nonce_per_write_and_checks_nonce_tag_and_pieces() -> None:
+    codec = PageCodec(NS, GEOMETRY, TenantKey(KEY_A))
+    first, payload = encoded(codec)
+    again, _ = encoded(codec)
+    mac = slice(88, 88 + 28)  # after the header fields: the 12-byte nonce, then the 16-byte tag
+    assert bytes(first[:88]) == bytes(again[:88]) and bytes(first[mac]) != bytes(again[mac])
+    assert codec.check(KEY, again, [payload]) is None
+    # The same page handed over in pieces (a layer_first host pool) checks against the same tag.
+    cut = [payload[:1000], payload[1000:5000], payload[5000:]]
+    assert codec.check(KEY, first, cut) is None
+    pieced = memoryview(np.zeros(HEADER_BYTES, dtype=np.uint8))
+    codec.encode(KEY, cut, pieced)
+    assert codec.check(KEY, pieced, [payload]) is None
+    for at in (88, 88 + 11, 88 + 12, 88 + 27):  # the nonce and the tag: any flipped bit is a miss
+        forged = memoryview(bytearray(first))
+        forged[at] ^= 0x10
+        assert codec.check(KEY, forged, [payload]) == "mac"
+    # Another tenant's key, or the same key's page of another name: a miss.
+    assert codec.check(b"\x09" * 16, first, [payload]) is not None
+    assert PageCodec(NS, GEOMETRY, TenantKey(KEY_B)).check(KEY, first, [payload]) is not None
+
+
+def test_a_keyed_page_of_the_earlier_blake3_format_is_refused_not_misread() -> None:
+    codec = PageCodec(NS, GEOMETRY, TenantKey(KEY_A))
+    header, payload = encoded(codec)
+    old = memoryview(bytearray(header))
+    old[8:10] = (2).to_bytes(2, "little")  # format 2: the keyed BLAKE3 MAC of earlier versions
+    assert codec.check(KEY, old, [payload]) == "version"
+    found = check_stored_page(codec, KEY, bytes(old) + bytes(payload))
+    assert found.status == "unverifiable" and "earlier format" in (found.reason or "")
 
 
 def test_the_header_gives_away_no_seed_and_no_page_key() -> None:

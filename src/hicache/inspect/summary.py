@@ -8,7 +8,7 @@ from typing import Any
 
 from ..config import HiCacheConfig, format_size
 from ..tiers.storage.base import StorageBackend
-from ..tiers.storage.page_format import PageCodec, parse_header
+from ..tiers.storage.page_format import KEYED_CODEC_FORMAT_VERSION, KEYED_FORMAT_VERSION, PageCodec, parse_header
 from .walk import batches, list_all, progress
 
 __all__ = ["Group", "Summary", "summarize"]
@@ -96,10 +96,12 @@ async def summarize(
                     key = (info.namespace.hex(), info.version, info.shape, ",".join(info.codecs) or "-")
                     if info.namespace == ours and info.version == codec.version:
                         label = f"this config ({model})"
-                    elif info.version == 2:
+                    elif info.version == KEYED_FORMAT_VERSION:
                         label = "keyed: another tenant key or model"
-                    elif info.version == 4:
+                    elif info.version == KEYED_CODEC_FORMAT_VERSION:
                         label = "keyed: another tenant key, model or codec chain"
+                    elif info.version in (2, 4):
+                        label = "keyed by an earlier format (BLAKE3 MAC): never read"
                     elif info.codecs:
                         label = "another codec chain, model, geometry or tenant_salt"
                     else:

@@ -24,7 +24,7 @@ off the event loop, never one thread hop per page:
   ``codec_threads`` threads, so pages are checked while the backend reads the next ones, and the
   batch's result is usually ready when ``get`` returns (no hop to collect it);
 * *a codec chain*: one task per page on the same pool, a batch encoded while the previous one is
-  written, decoded after it is read (BLAKE3, OpenSSL's AES-GCM, blosc2 and torch release the GIL).
+  written, decoded after it is read (OpenSSL's AES-GCM and GMAC, xxh3, blosc2 and torch release the GIL).
 
 **A codec chain** (``PageCodec.chain``, the tier's ``codec:`` list): pages are no longer the host
 page's own bytes. Writes encode each page into its own buffer (the chain's output) and the header
