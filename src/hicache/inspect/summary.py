@@ -8,7 +8,13 @@ from typing import Any
 
 from ..config import HiCacheConfig, format_size
 from ..tiers.storage.base import StorageBackend
-from ..tiers.storage.page_format import KEYED_CODEC_FORMAT_VERSION, KEYED_FORMAT_VERSION, PageCodec, parse_header
+from ..tiers.storage.page_format import (
+    KEYED_CODEC_FORMAT_VERSION,
+    KEYED_FORMAT_VERSION,
+    OLD_KEYED_FORMAT_VERSIONS,
+    PageCodec,
+    parse_header,
+)
 from .walk import batches, list_all, progress
 
 __all__ = ["Group", "Summary", "summarize"]
@@ -100,7 +106,7 @@ async def summarize(
                         label = "keyed: another tenant key or model"
                     elif info.version == KEYED_CODEC_FORMAT_VERSION:
                         label = "keyed: another tenant key, model or codec chain"
-                    elif info.version in (2, 4):
+                    elif info.version in OLD_KEYED_FORMAT_VERSIONS:
                         label = "keyed by an earlier format (BLAKE3 MAC): never read"
                     elif info.codecs:
                         label = "another codec chain, model, geometry or tenant_salt"

@@ -63,7 +63,7 @@ from .codecs import CodecChain, CodecError, name_of_id, run_decode, run_encode
 
 __all__ = [
     "CODEC_FORMAT_VERSION", "HEADER_BYTES", "FORMAT_VERSION", "KEYED_CODEC_FORMAT_VERSION", "KEYED_FORMAT_VERSION",
-    "MAGIC", "PageCodec", "PageHeader", "StoredPageCheck", "check_stored_page", "parse_header",
+    "MAGIC", "OLD_KEYED_FORMAT_VERSIONS", "PageCodec", "PageHeader", "StoredPageCheck", "check_stored_page", "parse_header",
 ]
 
 MAGIC = b"HICACHE\x00"
@@ -71,9 +71,10 @@ FORMAT_VERSION = 1  # xxh3-64 checksum, no key
 KEYED_FORMAT_VERSION = 5  # keyed: AES-256-GMAC (2 was the keyed BLAKE3 MAC)
 CODEC_FORMAT_VERSION = 3  # a codec chain, unkeyed: xxh3-64 (or the AEAD tag)
 KEYED_CODEC_FORMAT_VERSION = 6  # a codec chain, keyed: AES-256-GMAC (or the AEAD tag; 4 was BLAKE3)
-_OLD_KEYED = (2, 4)  # keyed pages of earlier versions (BLAKE3 MAC): never used, shown as unverifiable
+#: Keyed pages of earlier versions (a BLAKE3 MAC; 4 through a codec chain): never read, shown as unverifiable.
+OLD_KEYED_FORMAT_VERSIONS = (2, 4)
 HEADER_BYTES = 128
-_CODEC_IDS = 4  # stage ids recorded in a format 3/4 header
+_CODEC_IDS = 4  # stage ids recorded in a format 3/6 header
 
 # magic, version, header bytes, namespace, key, C, L, page_size, H, D, dtype, payload length
 _FIELDS = struct.Struct(f"<8sHH{KEY_BYTES}s{KEY_BYTES}sIIIII16sQ")
@@ -83,7 +84,7 @@ _NONCE_BYTES = 12  # a fresh random nonce per written page, stored before the ta
 _TAG_BYTES = 16
 _MAC_BYTES = _NONCE_BYTES + _TAG_BYTES
 assert _CHECKSUM_AT + max(_CHECKSUM.size, _MAC_BYTES) <= HEADER_BYTES
-# formats 3 and 4: the same fields, then the codec ids (zero-padded) and 4 reserved zero bytes
+# formats 3 and 6 (and 4): the same fields, then the codec ids (zero-padded) and 4 reserved zero bytes
 _CODEC_FIELDS = struct.Struct(f"<8sHH{KEY_BYTES}s{KEY_BYTES}sIIIII16sQ{_CODEC_IDS}s4x")
 _CODEC_CHECK_AT = _CODEC_FIELDS.size
 assert _CODEC_CHECK_AT + _MAC_BYTES <= HEADER_BYTES
@@ -103,8 +104,7 @@ class PageCodec:
     #: The tier's codec stages (none: formats 1 and 2, the payload is the KV itself, read in place).
     chain: CodecChain = field(default_factory=CodecChain, compare=False)
     # Derived in __post_init__ (never shown):
-    _mac_key: bytes | None = field(init=False, default=None, repr=False, compare=False)
-    _gmac: Any = field(init=False, default=None, repr=False, compare=False)  # AESGCM under K_mac's GMAC key
+    _gmac: Any = field(init=False, default=None, repr=False, compare=False)  # AESGCM under K_gmac (a tenant key)
     _gmac_key: bytes = field(init=False, default=b"", repr=False, compare=False)
     _names: Any = field(init=False, default=None, repr=False, compare=False)  # a keyed BLAKE2b to copy
     _namespace_field: bytes = field(init=False, default=b"", repr=False, compare=False)
@@ -115,15 +115,12 @@ class PageCodec:
         # A chain's pages are another namespace: other names, another namespace field, other keys.
         namespace = variant_digest(self.namespace, "codec:" + self.chain.variant) if ids else self.namespace
         if self.tenant_key is None:
-            mac_key = None
             name_key = namespace if ids else None  # exact pages keep the page key as their name
             namespace_field = namespace
         else:
-            mac_key = self.tenant_key.derive("page-mac", namespace)
             name_key = self.tenant_key.derive("page-name", namespace)
-            namespace_field = hashlib.blake2b(b"namespace-id", key=mac_key, digest_size=KEY_BYTES).digest()
-        object.__setattr__(self, "_mac_key", mac_key)
-        if self.tenant_key is not None:
+            id_key = self.tenant_key.derive("page-mac", namespace)  # K_mac: only the namespace field's identifier now
+            namespace_field = hashlib.blake2b(b"namespace-id", key=id_key, digest_size=KEY_BYTES).digest()
             gmac_key = self.tenant_key.derive("page-gmac", namespace)
             object.__setattr__(self, "_gmac_key", gmac_key)
             object.__setattr__(self, "_gmac", AESGCM(gmac_key))
@@ -396,7 +393,7 @@ class PageHeader:
 
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
-_CODED = (CODEC_FORMAT_VERSION, KEYED_CODEC_FORMAT_VERSION, 4)
+_CODED = (CODEC_FORMAT_VERSION, KEYED_CODEC_FORMAT_VERSION, OLD_KEYED_FORMAT_VERSIONS[1])
 
 
 def parse_header(header: bytes | memoryview) -> PageHeader | None:
@@ -470,7 +467,7 @@ def check_stored_page(codec: PageCodec, storage_key: bytes, blob: bytes | None) 
         x.update(payload)
         good = _CHECKSUM.unpack(blob[at : at + _CHECKSUM.size])[0] == x.intdigest()
         return StoredPageCheck("ok" if good else "corrupt", None if good else "checksum", header, False)
-    if header.version in _OLD_KEYED:
+    if header.version in OLD_KEYED_FORMAT_VERSIONS:
         return StoredPageCheck("unverifiable", "keyed by an earlier format (a BLAKE3 MAC): never read", header, False)
     if header.version in (KEYED_FORMAT_VERSION, KEYED_CODEC_FORMAT_VERSION, CODEC_FORMAT_VERSION):
         why = "encrypted with a key this config does not hold" if header.encrypted else "keyed by another tenant key or namespace"
