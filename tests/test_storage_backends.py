@@ -35,9 +35,9 @@ PAGE = HEADER_BYTES + PAYLOAD
 BackendFactory = Callable[..., StorageBackend]
 
 
-@pytest.fixture(params=["memory", "file", "redis", "mooncake", "s3", "redis-cluster", "nixl", "nixl-peer"])
+@pytest.fixture(params=["memory", "file", "file-direct", "redis", "mooncake", "s3", "redis-cluster", "nixl", "nixl-peer"])
 def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFactory:
-    """``factory(**settings)`` builds a fresh backend of this kind (file, nixl: in a per-test folder;
+    """``factory(**settings)`` builds a fresh backend of this kind (file, file-direct: O_DIRECT, nixl: in a per-test folder;
     redis, s3: under a per-test key prefix on the session's server or cluster; nixl-peer: a producer
     and a consumer agent in this process, reads going through UCX)."""
     if request.param == "memory":
@@ -66,6 +66,8 @@ def backend_factory(request: pytest.FixtureRequest, tmp_path: Path) -> BackendFa
         settings = request.getfixturevalue("mooncake_cluster")
         prefix = f"t{uuid.uuid4().hex[:12]}"
         return lambda **kw: MooncakeBackend(**(settings | {"key_prefix": prefix} | kw))
+    if request.param == "file-direct":
+        return lambda **kw: FileBackend(path=str(tmp_path / "pages"), direct_io=True, **kw)
     return lambda **kw: FileBackend(path=str(tmp_path / "pages"), **kw)
 
 

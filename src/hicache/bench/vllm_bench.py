@@ -67,6 +67,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--kv-fraction", type=float, default=0.25, help="vLLM's KV memory / workload KV")
     g.add_argument("--host-fraction", type=float, default=0.5,
                    help="hicache's host tier / workload KV (at least max_model_len plus a block)")
+    g.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=True,
+                   help="the file tier's direct_io (O_DIRECT): every request saves a page and few are read back, "
+                        "and a buffered write's fresh page-cache memory costs a VM's host a fault per 4 KiB")
     g.add_argument("--block-size", type=int, default=128, help="vLLM's block size (the CPU backend: multiples of 32)")
     g.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run the configurations N times in alternating order (as given, reversed, ...) and pool "
@@ -165,7 +168,8 @@ def _spec(args: argparse.Namespace, name: str, workload: MultiTurn, sizes: dict[
             "overrides": {
                 "tiers": {
                     "host": {"capacity": sizes["host_bytes"], "pin_memory": False},
-                    "storage": [{"kind": "file", "path": str(pages), "capacity": sizes["file_bytes"], "fsync": "never"}],
+                    "storage": [{"kind": "file", "path": str(pages), "capacity": sizes["file_bytes"], "fsync": "never",
+                                 "direct_io": args.direct_io}],
                 },
             },
         }

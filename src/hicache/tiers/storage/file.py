@@ -121,6 +121,11 @@ class FileBackend(StorageBackend):
         fsync: Literal["always", "never"] = "never"  # pages are checksummed and renamed into place
         write_threads: int = Field(default=8, ge=1, le=64, strict=True)
         read_ahead: int = Field(default=64, ge=0, le=256, strict=True)
+        #: ``O_DIRECT`` page files (``page_files.py``): no page cache, so no fresh page-cache memory
+        #: to fault in (on a VM that hands free memory back to its host, most of a buffered write's
+        #: cost), and no hidden second copy of pages the host tier already keeps; reads then come
+        #: from the disk every time.
+        direct_io: bool = False
         #: Reads refresh each page file's mtime (the recency eviction and restarts go by) and remove
         #: an unusable entry. ``hicache inspect`` reads with ``false``: a reader that changes nothing.
         touch_on_read: bool = True
@@ -341,7 +346,7 @@ class FileBackend(StorageBackend):
         places = [self._place(k) for k in keys]
         done, problem = await anyio.to_thread.run_sync(
             read_pages, self.root, self._refused, places, into, self.settings.read_ahead,
-            self.settings.touch_on_read, sizes,
+            self.settings.touch_on_read, sizes, self.settings.direct_io,
         )
         for i, (key, io) in enumerate(zip(keys[:done], into[:done], strict=True)):
             self._remember(key, io.nbytes if sizes is None else sizes[i])
@@ -375,7 +380,7 @@ class FileBackend(StorageBackend):
             drop = [self._place(v) for v in victims] if w == 0 else []
             results = await anyio.to_thread.run_sync(
                 write_pages, self.root, self._refused, [self._place(keys[i]) for i in share],
-                [pages[i] for i in share], fsync, drop, self._write_batch,
+                [pages[i] for i in share], fsync, drop, self._write_batch, self.settings.direct_io,
                 limiter=self._write_limiter,
             )
             for i, good in zip(share, results, strict=True):

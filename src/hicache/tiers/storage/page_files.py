@@ -5,17 +5,29 @@ Nothing below the tier's root is reached through a symbolic link: shard folders 
 ``O_NOFOLLOW`` relative to the root's descriptor, and page files relative to their shard's
 (``dir_fd``), opened with ``O_NONBLOCK | O_NOFOLLOW`` and used only if ``fstat`` says they are regular
 files. Every descriptor opened here is closed before the call returns.
+
+With ``direct``, page files are written and read with ``O_DIRECT`` through each thread's aligned
+bounce buffer (the payload starts 128 bytes into a file, so it cannot go straight from the host
+page): no page-cache page is allocated. On a virtual machine whose free memory is handed back to
+its host (free page reporting, a balloon), every new page-cache page costs a fault in the host: a
+buffered write of a 5.6 MiB page took 13.5-14.4 ms of CPU here, ``O_DIRECT`` with the copy into the
+bounce buffer 3.5 ms. A file system that takes no ``O_DIRECT`` is written and read buffered (logged once).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
+import mmap
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+import numpy as np
 
 from .base import PageIO, fits
 
@@ -151,6 +163,79 @@ def _writev(fd: int, buffers: list[memoryview]) -> None:
             raise OSError("short write")
 
 
+# -- O_DIRECT ------------------------------------------------------------------------------------
+
+_DIRECT_ALIGN = 4096  # file offsets, lengths and memory: a multiple of any logical block size
+_bounce = threading.local()
+_no_direct: set[int] = set()  # devices (st_dev) whose file system refused O_DIRECT (logged once each)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _DIRECT_ALIGN) * _DIRECT_ALIGN
+
+
+def _bounce_buffer(nbytes: int) -> memoryview:
+    """This thread's page-aligned buffer of ``nbytes`` (a multiple of the alignment), kept for its
+    next call, so its memory stays resident (fresh memory is what ``O_DIRECT`` avoids paying for)."""
+    buf = getattr(_bounce, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _bounce.buf = mmap.mmap(-1, nbytes)
+    return memoryview(buf)[:nbytes]
+
+
+def _set_direct(fd: int) -> bool:
+    """Turn ``O_DIRECT`` on for ``fd``; ``False`` where its file system takes none (logged once)."""
+    dev = os.fstat(fd).st_dev
+    if dev in _no_direct:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _no_direct.add(dev)
+        log.warning("file backend: this file system takes no O_DIRECT; direct_io pages are written and read buffered")
+        return False
+    return True
+
+
+def _write_direct(fd: int, pieces: list[memoryview]) -> bool:
+    """Write ``pieces`` from the file's start with ``O_DIRECT``; ``False``: nothing written (no O_DIRECT here)."""
+    if not _set_direct(fd):
+        return False
+    size = sum(b.nbytes for b in pieces)
+    padded = _round_up(size)
+    bounce = _bounce_buffer(padded)
+    dst = np.frombuffer(bounce, dtype=np.uint8)
+    at = 0
+    for b in pieces:
+        dst[at : at + b.nbytes] = np.frombuffer(b, dtype=np.uint8)  # numpy copies without the GIL
+        at += b.nbytes
+    dst[at:] = 0
+    if os.pwrite(fd, bounce, 0) != padded:
+        raise OSError("short write")
+    os.ftruncate(fd, size)  # the padding goes: the file is the page, byte for byte
+    return True
+
+
+def _read_direct(fd: int, size: int, pieces: list[memoryview]) -> int | None:
+    """Read the file (``size`` bytes, as ``fstat`` said) with ``O_DIRECT`` into ``pieces`` in order;
+    bytes the file held (up to the padding; ``None``: no O_DIRECT here, nothing read)."""
+    if not _set_direct(fd):
+        return None
+    bounce = _bounce_buffer(_round_up(size + 1))  # one byte more: a file grown since fstat shows
+    got = os.preadv(fd, [bounce], 0)
+    src = np.frombuffer(bounce, dtype=np.uint8, count=got)
+    at = 0
+    for b in pieces:
+        n = min(b.nbytes, got - at)
+        if n <= 0:
+            break
+        np.frombuffer(b, dtype=np.uint8)[:n] = src[at : at + n]
+        at += n
+    return got
+
+
 def open_page(folder: Folder, shard: str, name: str, tidy: bool = True) -> int | str:
     """A descriptor of the regular file ``shard/name``, or why there is none (see ``_CORRUPT``).
 
@@ -186,13 +271,15 @@ def read_pages(
     root: Path, refused: set[str], places: list[tuple[str, str]], into: Sequence[PageIO], read_ahead: int,
     touch: bool = True,
     sizes: list[int] | None = None,
+    direct: bool = False,
 ) -> tuple[int, str | None]:
     """Read consecutive pages until one is missing or unusable; ``(count, problem)``.
 
     ``touch``: the cache's read, which refreshes each page's mtime and removes an unusable entry;
     without it a reader's (``hicache inspect``), which changes nothing. With ``sizes``, pages vary
     in size (``StorageBackend.get``): each fills its buffers from the start and its size is
-    recorded. Every descriptor opened here is closed before it returns, whatever happens.
+    recorded. With ``direct``, each file is read with ``O_DIRECT`` (no page cache, so nothing is
+    announced ahead). Every descriptor opened here is closed before it returns, whatever happens.
     """
     fds: dict[int, int | str] = {}
     n = len(places)
@@ -202,7 +289,7 @@ def read_pages(
 
                 def announce(j: int) -> None:
                     got = fds[j] = open_page(folder, *places[j], tidy=touch)
-                    if read_ahead and isinstance(got, int):
+                    if read_ahead and not direct and isinstance(got, int):
                         os.posix_fadvise(got, 0, 0, os.POSIX_FADV_WILLNEED)  # start the disk read now
 
                 for j in range(min(max(read_ahead, 1), n)):
@@ -217,7 +304,12 @@ def read_pages(
                         return i, fd
                     try:
                         size = os.fstat(fd).st_size
-                        if not fits(size, into[i].nbytes, sizes) or _preadv(fd, into[i].buffers()) != size:
+                        got = None
+                        if fits(size, into[i].nbytes, sizes):
+                            got = _read_direct(fd, size, into[i].buffers()) if direct else None
+                            if got is None:
+                                got = _preadv(fd, into[i].buffers())
+                        if got != size:
                             sfd = folder.shard(places[i][0])
                             assert sfd is not None  # the page was opened in it
                             if touch:
@@ -246,6 +338,7 @@ def read_pages(
 def write_pages(
     root: Path, refused: set[str], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
     drop: list[tuple[str, str]], write_batch: Callable[[list[tuple[int, PageIO]]], None] | None = None,
+    direct: bool = False,
 ) -> list[bool]:
     """Write each page atomically (an unnamed file linked into place, or a temporary file renamed;
     fsynced before, with its folder after, under ``fsync``) in its shard; delete ``drop`` first.
@@ -253,7 +346,8 @@ def write_pages(
 
     ``write_batch`` (``kind: nixl``): writes every ``(descriptor, page)`` of the call in one go, or
     raises (then none of them is named); by default each page is written with ``writev`` as it is
-    opened. Either way a page gets its name only once all of it is in its file.
+    opened (with ``O_DIRECT`` under ``direct``). Either way a page gets its name only once all of it
+    is in its file.
     """
     results = [False] * len(places)
     with Folder(root, refused, create=True) as folder:
@@ -274,7 +368,7 @@ def write_pages(
                     continue
                 opened.append((i, sfd, fd, tmp))
                 if write_batch is None:
-                    _settle(opened.pop(), places, pages, fsync, results, shards, write=True)
+                    _settle(opened.pop(), places, pages, fsync, results, shards, write=True, direct=direct)
             if write_batch is not None and opened:
                 try:
                     for i, _sfd, _fd, _tmp in opened:
@@ -322,7 +416,7 @@ def _open_target(sfd: int, name: str) -> tuple[int, str | None]:
 
 def _settle(
     target: tuple[int, int, int, str | None], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
-    results: list[bool], shards: set[int], *, write: bool,
+    results: list[bool], shards: set[int], *, write: bool, direct: bool = False,
 ) -> None:
     """Write (with ``write``), fsync (under ``fsync``) and name one opened page; its descriptor is closed."""
     i, sfd, fd, tmp = target
@@ -332,14 +426,14 @@ def _settle(
             if write:
                 if pages[i].seal is not None:
                     pages[i].seal()  # its header (checksum or MAC), from the bytes about to be written
-                _writev(fd, pages[i].buffers())
+                _write(fd, pages[i].buffers(), direct)
             if fsync:
                 os.fsync(fd)
             named = _give_name(sfd, fd, tmp, name)
         finally:
             os.close(fd)
         if not named:  # no /proc to link an unnamed file from: the rename path from now on
-            _write_renamed(sfd, name, pages[i], fsync)
+            _write_renamed(sfd, name, pages[i], fsync, direct)
     except OSError as exc:
         if tmp is not None:
             unlink_at(sfd, tmp)
@@ -380,14 +474,19 @@ def _give_name(sfd: int, fd: int, tmp: str | None, name: str) -> bool:
     return True
 
 
-def _write_renamed(sfd: int, name: str, io: PageIO, fsync: bool) -> None:
+def _write(fd: int, pieces: list[memoryview], direct: bool) -> None:
+    if not (direct and _write_direct(fd, pieces)):
+        _writev(fd, pieces)
+
+
+def _write_renamed(sfd: int, name: str, io: PageIO, fsync: bool, direct: bool = False) -> None:
     """Write the page to a temporary file and rename it over ``name`` (which replaces whatever entry
     is there, a forged page, a FIFO or a link, itself)."""
     tmp = _tmp_name(name)
     try:
         fd = os.open(tmp, _PAGE_WRITE, 0o644, dir_fd=sfd)
         try:
-            _writev(fd, io.buffers())
+            _write(fd, io.buffers(), direct)
             if fsync:
                 os.fsync(fd)
         finally:
