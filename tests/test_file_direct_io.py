@@ -20,8 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hicache.tiers.storage import HEADER_BYTES, PageIO
-from hicache.tiers.storage import page_files
+from hicache.tiers.storage import HEADER_BYTES, PageIO, page_files
 from hicache.tiers.storage.file import FileBackend
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
