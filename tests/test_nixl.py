@@ -300,3 +300,38 @@ async def test_open_peers_do_not_spin_a_core(nixl: None) -> None:
             start = time.process_time()
             await anyio.sleep(1.0)
             assert time.process_time() - start < 0.25
+
+
+def _resident(address: int, nbytes: int) -> float:
+    """The share of ``nbytes`` at ``address`` (page-aligned) that is in memory (``mincore``)."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    pages = nbytes // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(pages * mmap.PAGESIZE), vec) == 0
+    return sum(v & 1 for v in vec) / pages
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+async def test_nixl_peer_prefault_faults_the_arena_in_at_open(nixl: None, prefault: bool) -> None:
+    """With ``prefault`` the producer's arena is in memory soon after open, before any page is
+    written (its first writes fault nothing); without it, it stays unfaulted (the control)."""
+    import mmap
+
+    from hicache.tiers.storage.nixl.peer import NixlPeerBackend
+
+    async with NixlPeerBackend(listen=f"127.0.0.1:{free_port()}", capacity=64 * 2**20, prefault=prefault) as b:
+        arena = b._arena
+        assert arena is not None
+        start = -(-arena.base // mmap.PAGESIZE) * mmap.PAGESIZE
+        nbytes = (arena.base + arena.capacity - start) // mmap.PAGESIZE * mmap.PAGESIZE
+        deadline = time.monotonic() + 10
+        resident = _resident(start, nbytes)
+        while prefault and resident < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            resident = _resident(start, nbytes)
+        assert resident == 1.0 if prefault else resident < 0.1
+        assert np.count_nonzero(arena.buffer) == 0  # faulted in, contents untouched

@@ -105,3 +105,32 @@ def _keys(cache: HiCache, tokens: list[int]) -> list[bytes]:
     from hicache.keys import as_token_bytes, chain_keys
 
     return chain_keys(cache.namespace.digest, as_token_bytes(tokens), cache.page_size)
+
+
+async def test_busy_seconds_count_overlapping_calls_once() -> None:
+    """Two reads in flight at once: ``seconds`` adds both calls' time, ``busy_seconds`` the wall
+    time with a read in flight (what a bandwidth is measured against); one read alone: equal."""
+    import anyio
+    import numpy as np
+
+    from hicache.tiers.storage import HEADER_BYTES, PageIO
+
+    from .fakes import SlowStorageBackend
+
+    def page() -> PageIO:
+        return PageIO.of(np.zeros(HEADER_BYTES, np.uint8), np.zeros(64, np.uint8))
+
+    async with SlowStorageBackend(delay_s=0.2) as backend:
+        keys = [bytes([i]) * 16 for i in range(2)]
+        assert await backend.set(keys, [page(), page()]) == 2
+        async with anyio.create_task_group() as tg:
+            for k in keys:
+                tg.start_soon(backend.get, [k], [page()])
+        stats = backend.stats()
+        assert stats.seconds["get"] >= 0.39
+        assert 0.19 <= stats.busy_seconds["get"] < 0.3
+        await backend.get(keys[:1], [page()])
+        after = backend.stats()
+        alone_seconds = after.seconds["get"] - stats.seconds["get"]
+        alone_busy = after.busy_seconds["get"] - stats.busy_seconds["get"]
+        assert alone_busy == pytest.approx(alone_seconds, abs=1e-6)

@@ -125,6 +125,9 @@ class StorageBackendStats:
     latencies: MappingProxyType[str, HistogramSnapshot] = field(  # seconds per call, per verb
         default_factory=lambda: MappingProxyType({})
     )
+    #: wall seconds during which at least one call of the verb was in flight: calls overlap (a tier
+    #: prefetching several runs at once), and ``seconds`` adds each one's whole time
+    busy_seconds: MappingProxyType[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,11 @@ For the hicache configurations the hand-off's cost is read from the servers' own
 each workload: the bytes the prefill server wrote to the tier and the decode server read from it,
 the seconds those backend calls took, and the decode server's copies into vLLM's blocks; the raw
 cost of the same bytes is their size at the tier's raw write and read bandwidth, measured by
-``pd_tiers.py`` before the servers start, with the raw client on the same server and page size.
-``transfer_vs_raw`` is raw seconds over hicache's (target >= 0.8). Every configuration runs with
+``pd_tiers.py`` before the servers start, with the raw client on the same server and page size,
+and again every ``--raw-every-s`` while each workload runs (``LoadedRaw``: the same contention as
+the servers' own calls). A backend's seconds are its busy time (wall time with a call in flight:
+calls overlap). ``transfer_vs_raw`` is raw seconds over hicache's, ``transfer_vs_raw_loaded`` the
+same against the raw figure taken under load (target >= 0.8). Every configuration runs with
 the same ``VLLM_CPU_NUM_OF_RESERVED_CPU`` and KV memory per server; greedy outputs are checked
 against ``alone``'s. Output in ``--out`` (``bench-results/pd-smollm2/``): the tables, ``results.json``,
 each server's log and scrapes.
@@ -33,6 +36,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import sys
@@ -42,7 +46,7 @@ from typing import Any
 
 from .driver import DriverSettings
 from .models import smollm2_dir
-from .pd_tiers import SharedTier, start_tier
+from .pd_tiers import LoadedRaw, SharedTier, start_tier
 from .profiling import cpu_pressure
 from .report import _grid, outputs_of, summarise
 from .serve_bench import add_workload_arguments, longest_context, serve_sizes, workload_of
@@ -79,6 +83,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--reserved-cpus", type=int, default=1, help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server")
     g.add_argument("--receive-timeout", type=float, default=30.0, help="a decode server's bound on a hand-off (s)")
     g.add_argument("--raw-pages", type=int, default=32, help="pages of the raw tier measurement")
+    g.add_argument("--raw-pages-loaded", type=int, default=8,
+                   help="pages of each raw tier measurement taken while a workload runs (every --raw-every-s)")
+    g.add_argument("--raw-every-s", type=float, default=15.0, help="seconds between those measurements")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -180,8 +187,10 @@ def _backend(stats: dict[str, Any] | None, key: str, verb: str | None = None) ->
     return float((b.get(key) or {}).get(verb, 0.0)) if verb else float(b.get(key) or 0.0)
 
 
-def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, float], token_bytes: int) -> dict[str, Any]:
-    """What the hand-offs of one workload moved and took, on each server, against the raw tier."""
+def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, float], token_bytes: int,
+                  loaded: dict[str, float] | None = None) -> dict[str, Any]:
+    """What the hand-offs of one workload moved and took, on each server, against the raw tier
+    (``raw``: measured before the servers start; ``loaded``: while the workload ran)."""
     p0, p1 = before.get("prefill") or {}, after.get("prefill") or {}
     d0, d1 = before.get("decode") or {}, after.get("decode") or {}
     c0, c1 = d0.get("connector") or {}, d1.get("connector") or {}
@@ -193,11 +202,16 @@ def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, 
     handoffs = delta(c0, c1, "pd_receives") + delta(c0, c1, "pd_receive_failures")
     written = _backend(p1, "bytes_written") - _backend(p0, "bytes_written")
     read = _backend(d1, "bytes_read") - _backend(d0, "bytes_read")
-    set_s = _backend(p1, "seconds", "set") - _backend(p0, "seconds", "set")
-    get_s = _backend(d1, "seconds", "get") - _backend(d0, "seconds", "get")
+    # Wall time with a call in flight (several run at once: summing each call's time would count
+    # the overlap twice); the summed call time is kept beside it.
+    set_s = _backend(p1, "busy_seconds", "set") - _backend(p0, "busy_seconds", "set")
+    get_s = _backend(d1, "busy_seconds", "get") - _backend(d0, "busy_seconds", "get")
+    summed = (_backend(p1, "seconds", "set") - _backend(p0, "seconds", "set")
+              + _backend(d1, "seconds", "get") - _backend(d0, "seconds", "get"))
     copy_s = delta(c0, c1, "pd_copy_s")
     ours = set_s + get_s + copy_s
     raw_s = written / 1e9 / raw["write_gbps"] + read / 1e9 / raw["read_gbps"]
+    loaded_s = (written / 1e9 / loaded["write_gbps"] + read / 1e9 / loaded["read_gbps"]) if loaded else math.nan
     n = max(handoffs, 1)
     sends = delta(s0, s1, "pd_sends") + delta(s0, s1, "pd_send_failures")
     return {
@@ -212,8 +226,12 @@ def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, 
         "read_s_per_request": get_s / n,
         "copy_s_per_request": copy_s / n,
         "transfer_s_per_request": ours / n,
+        "summed_call_s_per_request": summed / n,
         "raw_s_per_request": raw_s / n,
         "transfer_vs_raw": raw_s / ours if ours > 0 else math.nan,
+        "raw_loaded_s_per_request": loaded_s / n,
+        "transfer_vs_raw_loaded": loaded_s / ours if ours > 0 else math.nan,
+        "raw_loaded": loaded,
         "send_latency_s": delta(s0, s1, "pd_send_s") / max(sends, 1),
         "receive_wait_s": delta(c0, c1, "pd_receive_wait_s") / n,
         "raw": raw,
@@ -248,8 +266,8 @@ def run_config(config: str, args: argparse.Namespace, workloads: dict[str, Multi
     results: dict[str, Any] = {}
     try:
         raw = None
+        page = args.block_size * geo["token_bytes"]
         if tier is not None:
-            page = args.block_size * geo["token_bytes"]
             raw = tier.raw(page, args.raw_pages, batch=8)
             print(f"  {config}: raw {tier.kind} write {raw['write_gbps']:.2f} GB/s, read {raw['read_gbps']:.2f} GB/s "
                   f"({args.raw_pages} pages of {page / 2**20:.1f} MiB, 8 a call)", file=sys.stderr)
@@ -263,14 +281,19 @@ def run_config(config: str, args: argparse.Namespace, workloads: dict[str, Multi
                 label = f"{name}-{config}"
                 before = _snapshots(servers)
                 sources_before = _by_source(servers.servers[-1])
-                result = run_workload(servers, workload.conversations(geo["vocab"]), _driver_settings(args, name),
-                                      out=out, label=label, vocab=geo["vocab"], progress=not args.quiet)
+                sampler = (LoadedRaw(tier, page, args.raw_pages_loaded, args.raw_every_s, _cache_cpus(servers))
+                           if tier is not None else None)
+                try:
+                    result = run_workload(servers, workload.conversations(geo["vocab"]), _driver_settings(args, name),
+                                          out=out, label=label, vocab=geo["vocab"], progress=not args.quiet)
+                finally:
+                    loaded = sampler.stop() if sampler is not None else None
                 after = _snapshots(servers)
                 sources_after = _by_source(servers.servers[-1])
                 result["decode_prompt_tokens_by_source"] = {
                     k: v - sources_before.get(k, 0.0) for k, v in sources_after.items()}
                 if raw is not None:
-                    result["transfer"] = transfer_cost(before, after, raw, geo["token_bytes"])
+                    result["transfer"] = transfer_cost(before, after, raw, geo["token_bytes"], loaded)
                 if config == "example":
                     result["example_folder_bytes"] = _folder_bytes(out / "example-kv")
                 result["proxy"] = servers.proxy.health() if servers.proxy is not None else None
@@ -281,6 +304,23 @@ def run_config(config: str, args: argparse.Namespace, workloads: dict[str, Multi
         if tier is not None:
             tier.stop()
     return results
+
+
+_CACHE_CPUS = re.compile(r"hicache: the cache's threads run on CPUs \[([0-9, ]+)\]")
+
+
+def _cache_cpus(servers: ServerSet) -> set[int] | None:
+    """The CPUs the servers' cache threads are bound to (vLLM's reserved cores, from their logs):
+    where the raw figure under load is measured too."""
+    found: set[int] = set()
+    for server in servers.servers:
+        try:
+            text = server.log.read_text(errors="replace")
+        except OSError:
+            continue
+        for m in _CACHE_CPUS.finditer(text):
+            found |= {int(c) for c in m.group(1).split(",")}
+    return found or None
 
 
 def _snapshots(servers: ServerSet) -> dict[str, Any]:
@@ -341,6 +381,8 @@ def check_targets(summaries: dict[str, dict[str, Any]], base: str) -> dict[str, 
         if t is not None:
             v = t["transfer_vs_raw"]
             out[f"{config}: transfer_vs_raw"] = {"value": v, "target": ">= 0.8", "met": v == v and v >= 0.8}
+            v = t.get("transfer_vs_raw_loaded", math.nan)
+            out[f"{config}: transfer_vs_raw_loaded"] = {"value": v, "target": ">= 0.8", "met": v == v and v >= 0.8}
             if example is not None:
                 ratio = s["ttft_s"]["mean"] / example["ttft_s"]["mean"]
                 out[f"{config}: ttft_over_example"] = {"value": ratio, "target": "<= 1.0", "met": ratio <= 1.0}
@@ -367,7 +409,8 @@ def format_workload(w: dict[str, Any]) -> str:
                      str(next((v for k, v in s.items() if k.startswith("outputs_differ_from_")), 0))])
     lines = [f"== {w['workload']} (ms; TTFT and ITL at the client) ==", _grid(rows), ""]
     moves = [["hand-off (per request)", "MB handed", "MB written", "MB read", "write ms", "read ms", "copy ms",
-              "total ms", "raw ms", "x raw", "send ms", "receive ms", "failed", "refused"]]
+              "total ms", "raw ms", "x raw", "raw loaded ms", "x raw loaded", "send ms", "receive ms", "failed",
+              "refused"]]
     for name, s in w["summary"].items():
         t = s.get("transfer")
         if t is None:
@@ -375,7 +418,9 @@ def format_workload(w: dict[str, Any]) -> str:
         moves.append([name, f"{t['handed_bytes_per_request'] / 1e6:.1f}", f"{t['written_bytes_per_request'] / 1e6:.1f}",
                       f"{t['read_bytes_per_request'] / 1e6:.1f}", _ms(t["write_s_per_request"]),
                       _ms(t["read_s_per_request"]), _ms(t["copy_s_per_request"]), _ms(t["transfer_s_per_request"]),
-                      _ms(t["raw_s_per_request"]), f"{t['transfer_vs_raw']:.2f}", _ms(t["send_latency_s"]),
+                      _ms(t["raw_s_per_request"]), f"{t['transfer_vs_raw']:.2f}",
+                      _ms(t.get("raw_loaded_s_per_request", math.nan)), f"{t.get('transfer_vs_raw_loaded', math.nan):.2f}",
+                      _ms(t["send_latency_s"]),
                       _ms(t["receive_wait_s"]), str(t["received_failures"]), str(t["refused"])])
     if len(moves) > 1:
         lines += [_grid(moves), ""]

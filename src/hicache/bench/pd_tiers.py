@@ -15,7 +15,9 @@ raw write bandwidth plus its bytes at the raw read bandwidth.
 
 from __future__ import annotations
 
+import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +57,7 @@ class SharedTier:
                     "global_segment_size": capacity_bytes}
         if role == "prefill":
             return {"kind": "nixl-peer", "name": "shared", "listen": f"127.0.0.1:{self.nixl_port}",
-                    "capacity": capacity_bytes, "timeout_s": 10.0}
+                    "capacity": capacity_bytes, "timeout_s": 10.0, "prefault": True}
         return {"kind": "nixl-peer", "name": "shared", "peers": [f"127.0.0.1:{self.nixl_port}"], "timeout_s": 10.0}
 
     def raw(self, page_bytes: int, pages: int, batch: int, repeat: int = 3) -> dict[str, float]:
@@ -73,6 +75,45 @@ class SharedTier:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+class LoadedRaw:
+    """The raw write and read of the tier measured again and again while a workload runs (from a
+    thread of this process bound to ``cpus``, the servers' cache threads' own cores, every
+    ``every_s``, ``pages`` pages a time, the first after a third of that): the same contention as
+    the servers' own transfers, which the quiet figure taken before the servers start does not
+    have. ``stop`` returns the median GB/s of the samples (``None`` without one)."""
+
+    def __init__(self, tier: SharedTier, page_bytes: int, pages: int, every_s: float,
+                 cpus: set[int] | None = None) -> None:
+        self.tier, self.page_bytes, self.pages, self.every_s = tier, page_bytes, pages, every_s
+        self.cpus = cpus
+        self.samples: list[dict[str, float]] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pd-bench-raw-loaded", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self.cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cpus)  # this thread only (and the threads it starts)
+        wait = self.every_s / 3
+        while not self._stop.wait(wait):
+            wait = self.every_s
+            try:
+                self.samples.append(self.tier.raw(self.page_bytes, self.pages, batch=min(8, self.pages), repeat=1))
+            except Exception:  # a sample lost (the tier busy past a client's timeout): counted, not fatal
+                self.errors += 1
+
+    def stop(self) -> dict[str, float] | None:
+        self._stop.set()
+        self._thread.join()
+        if not self.samples:
+            return None
+        return {"write_gbps": statistics.median(s["write_gbps"] for s in self.samples),
+                "read_gbps": statistics.median(s["read_gbps"] for s in self.samples),
+                "samples": len(self.samples), "failed_samples": self.errors, "pages": self.pages,
+                "cpus": sorted(self.cpus) if self.cpus else None}
 
 
 def start_tier(kind: str, workdir: Path) -> SharedTier:

@@ -213,6 +213,9 @@ class StorageBackend(ABC):
         self._is_open = False
         self._calls = dict.fromkeys(_VERBS, 0)
         self._seconds = dict.fromkeys(_VERBS, 0.0)
+        self._busy = dict.fromkeys(_VERBS, 0.0)  # wall time with a call of the verb in flight
+        self._in_flight = dict.fromkeys(_VERBS, 0)
+        self._busy_since = dict.fromkeys(_VERBS, 0.0)
         self._latency = {verb: LatencyHistogram() for verb in _VERBS}
         self._pages_read = self._pages_written = 0
         self._bytes_read = self._bytes_written = 0
@@ -337,6 +340,7 @@ class StorageBackend(ABC):
             evicted_pages=self.evicted_pages,
             corrupt_pages=self.corrupt_pages,
             latencies=MappingProxyType({verb: h.snapshot() for verb, h in self._latency.items()}),
+            busy_seconds=MappingProxyType(dict(self._busy)),
         )
 
     # -- listing (optional) ---------------------------------------------------------------------
@@ -484,6 +488,9 @@ class StorageBackend(ABC):
     async def _call(self, verb: str, fn: Any, *args: Any) -> Any:
         self._calls[verb] += 1
         start = time.perf_counter()
+        self._in_flight[verb] += 1
+        if self._in_flight[verb] == 1:
+            self._busy_since[verb] = start
         try:
             with anyio.fail_after(self.settings.timeout_s):
                 return await fn(*args)
@@ -497,9 +504,13 @@ class StorageBackend(ABC):
             self._errors += 1
             raise StorageBackendError(self.kind, verb, f"{type(exc).__name__}({_masked(exc)!r})") from exc
         finally:
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
+            elapsed = end - start
             self._seconds[verb] += elapsed
             self._latency[verb].observe(elapsed)
+            self._in_flight[verb] -= 1
+            if not self._in_flight[verb]:
+                self._busy[verb] += end - self._busy_since[verb]
 
     def __repr__(self) -> str:
         used, capacity, pages = self._usage()

@@ -50,10 +50,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+import torch
 from pydantic import Field, field_validator, model_validator
 
 from ....config import ByteSize
 from ....errors import StorageBackendError
+from ...prefault import populate_in_background
 from ..base import BackendSettings, PageIO, StorageBackend, fits
 from . import peer_wire as wire
 from .agent import NixlAgent, Region, TransferFailed, pair, regions_of
@@ -123,6 +125,11 @@ class NixlPeerBackend(StorageBackend):
         max_clients: int = Field(default=64, ge=1)
         #: A consumer connection silent this long is closed by the producer (the consumer reconnects).
         idle_s: float = Field(default=300.0, gt=0)
+        #: Fault the arena's pages in from open on, in a background thread (``tiers/prefault.py``):
+        #: the first write into each fresh page is a page fault, and on a VM that hands free memory
+        #: back to its host one in the host too (a 23.6 MB copy into a fresh arena took 63 ms here,
+        #: 3.9 ms into a faulted one). The arena then holds ``capacity`` of memory from the start.
+        prefault: bool = False
 
         @field_validator("listen")
         @classmethod
@@ -152,6 +159,7 @@ class NixlPeerBackend(StorageBackend):
         self._agent_lock = threading.Lock()  # one NIXL call at a time
         self._arena: PageArena | None = None
         self._arena_registration: Any = None
+        self._stop_prefault = threading.Event()
         self._server: PeerServer | None = None
         self._peers = [_Peer(host_port(p)) for p in self.settings.peers]
         #: Where the producer listens, once open (``listen`` with port 0 gets a free port).
@@ -175,6 +183,9 @@ class NixlPeerBackend(StorageBackend):
                 )
                 self._arena = arena
                 self.address = self._server.address
+                if self.settings.prefault:
+                    self._stop_prefault.clear()
+                    populate_in_background(torch.from_numpy(arena.buffer), self._stop_prefault, "nixl-peer-arena")
         except BaseException:
             if self._arena_registration is not None:
                 agent.deregister(self._arena_registration)
@@ -188,6 +199,7 @@ class NixlPeerBackend(StorageBackend):
             await anyio.to_thread.run_sync(self._close_sync)
 
     def _close_sync(self) -> None:
+        self._stop_prefault.set()
         if self._server is not None:
             self._server.stop()
             self._server = None
