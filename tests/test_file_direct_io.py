@@ -133,3 +133,37 @@ async def test_a_file_system_without_o_direct_falls_back_to_buffered_io(
     assert [raw(b) for b in back] == [raw(w) for w in written]
     assert sum("takes no O_DIRECT" in r.getMessage() for r in caplog.records) == 1
     assert page_files._no_direct  # remembered: the next file on that device is not asked again
+
+
+async def test_a_transfer_the_file_system_refuses_goes_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Faults injected into ``pwrite`` and ``preadv`` of descriptors with ``O_DIRECT`` set (``EINVAL``:
+    what a device needing a larger alignment says once the flag was taken): the same pages, buffered."""
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+
+    def direct(fd: int) -> bool:
+        return bool(page_files.fcntl.fcntl(fd, page_files.fcntl.F_GETFL) & os.O_DIRECT)
+
+    def refusing_pwrite(fd: int, data: object, offset: int) -> int:
+        if direct(fd):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    def refusing_preadv(fd: int, buffers: object, offset: int) -> int:
+        if direct(fd):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+    monkeypatch.setattr(page_files, "_no_direct", set())
+    written = pages(3, seed=7)
+    with caplog.at_level(logging.WARNING, logger="hicache.tiers.storage.file"):
+        async with FileBackend(path=str(tmp_path / "pages"), direct_io=True) as backend:
+            assert await backend.set(keys(3), written) == 3
+            page_files._no_direct.clear()  # reads try O_DIRECT again, and are refused too
+            monkeypatch.setattr(os, "preadv", refusing_preadv)
+            back = empty(3)
+            assert await backend.get(keys(3), back) == 3
+    assert [raw(b) for b in back] == [raw(w) for w in written]
+    assert sum("takes no O_DIRECT" in r.getMessage() for r in caplog.records) == 2

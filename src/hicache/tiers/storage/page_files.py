@@ -185,18 +185,26 @@ def _bounce_buffer(nbytes: int) -> memoryview:
 
 def _set_direct(fd: int) -> bool:
     """Turn ``O_DIRECT`` on for ``fd``; ``False`` where its file system takes none (logged once)."""
-    dev = os.fstat(fd).st_dev
-    if dev in _no_direct:
+    if os.fstat(fd).st_dev in _no_direct:
         return False
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        _no_direct.add(dev)
-        log.warning("file backend: this file system takes no O_DIRECT; direct_io pages are written and read buffered")
+        _refuse_direct(fd)
         return False
     return True
+
+
+def _refuse_direct(fd: int) -> None:
+    """``fd``'s file system refused ``O_DIRECT`` (when set, or on a transfer: an alignment larger
+    than ours): this file and the later ones on its device go buffered."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+    dev = os.fstat(fd).st_dev
+    if dev not in _no_direct:
+        _no_direct.add(dev)
+        log.warning("file backend: this file system takes no O_DIRECT; direct_io pages are written and read buffered")
 
 
 def _write_direct(fd: int, pieces: list[memoryview]) -> bool:
@@ -212,7 +220,14 @@ def _write_direct(fd: int, pieces: list[memoryview]) -> bool:
         dst[at : at + b.nbytes] = np.frombuffer(b, dtype=np.uint8)  # numpy copies without the GIL
         at += b.nbytes
     dst[at:] = 0
-    if os.pwrite(fd, bounce, 0) != padded:
+    try:
+        written = os.pwrite(fd, bounce, 0)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _refuse_direct(fd)  # nothing was written: the caller writes it buffered
+        return False
+    if written != padded:
         raise OSError("short write")
     os.ftruncate(fd, size)  # the padding goes: the file is the page, byte for byte
     return True
@@ -224,7 +239,13 @@ def _read_direct(fd: int, size: int, pieces: list[memoryview]) -> int | None:
     if not _set_direct(fd):
         return None
     bounce = _bounce_buffer(_round_up(size + 1))  # one byte more: a file grown since fstat shows
-    got = os.preadv(fd, [bounce], 0)
+    try:
+        got = os.preadv(fd, [bounce], 0)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _refuse_direct(fd)
+        return None
     src = np.frombuffer(bounce, dtype=np.uint8, count=got)
     at = 0
     for b in pieces:
