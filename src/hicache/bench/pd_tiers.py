@@ -60,13 +60,17 @@ class SharedTier:
                     "capacity": capacity_bytes, "timeout_s": 10.0, "prefault": True}
         return {"kind": "nixl-peer", "name": "shared", "peers": [f"127.0.0.1:{self.nixl_port}"], "timeout_s": 10.0}
 
-    def raw(self, page_bytes: int, pages: int, batch: int, repeat: int = 3) -> dict[str, float]:
+    def raw(self, page_bytes: int, pages: int, batch: int, repeat: int = 3, *, lend: bool = True) -> dict[str, float]:
         """Median GB/s (1e9 B) of a raw write and a raw read of ``pages`` pages of ``page_bytes``
-        (payload; each raw page carries the 128-byte header too), ``batch`` pages a call."""
+        (payload; each raw page carries the 128-byte header too), ``batch`` pages a call.
+
+        ``lend=False`` (while servers use the tier): a Mooncake raw client lends the store no memory
+        of its own. Its segment would take the servers' pages too, and go with them when it closes
+        (their writes into it broken off, their pages gone)."""
         size = page_bytes + HEADER_BYTES
         src = np.random.default_rng(0).integers(0, 256, (pages, size), dtype=np.uint8)
         measure = {"valkey": _raw_valkey, "mooncake": _raw_mooncake, "nixl": _raw_nixl}[self.kind]
-        writes, reads = measure(self, src, batch, repeat)
+        writes, reads = measure(self, src, batch, repeat, lend)
         total = src.nbytes / 1e9
         return {"write_gbps": total / statistics.median(writes), "read_gbps": total / statistics.median(reads),
                 "pages": pages, "page_bytes": size, "batch": batch}
@@ -101,7 +105,8 @@ class LoadedRaw:
         while not self._stop.wait(wait):
             wait = self.every_s
             try:
-                self.samples.append(self.tier.raw(self.page_bytes, self.pages, batch=min(8, self.pages), repeat=1))
+                self.samples.append(self.tier.raw(self.page_bytes, self.pages, batch=min(8, self.pages), repeat=1,
+                                                  lend=False))
             except Exception:  # a sample lost (the tier busy past a client's timeout): counted, not fatal
                 self.errors += 1
 
@@ -144,7 +149,7 @@ def _batches(pages: int, batch: int) -> list[range]:
     return [range(i, min(pages, i + batch)) for i in range(0, pages, batch)]
 
 
-def _raw_valkey(tier: SharedTier, src: np.ndarray, batch: int, repeat: int) -> tuple[list[float], list[float]]:
+def _raw_valkey(tier: SharedTier, src: np.ndarray, batch: int, repeat: int, lend: bool) -> tuple[list[float], list[float]]:
     import redis
 
     client = redis.Redis(port=int(tier.settings["port"]))
@@ -176,13 +181,13 @@ def _raw_valkey(tier: SharedTier, src: np.ndarray, batch: int, repeat: int) -> t
     return writes, reads
 
 
-def _raw_mooncake(tier: SharedTier, src: np.ndarray, batch: int, repeat: int) -> tuple[list[float], list[float]]:
+def _raw_mooncake(tier: SharedTier, src: np.ndarray, batch: int, repeat: int, lend: bool) -> tuple[list[float], list[float]]:
     from mooncake.store import MooncakeDistributedStore
 
     s = tier.settings
     dst = np.zeros_like(src)
     store = MooncakeDistributedStore()
-    segment = max(256 * 1024**2, int(src.nbytes * 1.5))
+    segment = max(256 * 1024**2, int(src.nbytes * 1.5)) if lend else 0
     if store.setup(s["local_hostname"], s["metadata_server"], segment, s["local_buffer_size"], s["protocol"], "",
                    s["master"]) != 0:
         raise RuntimeError("raw Mooncake client did not set up")
@@ -215,7 +220,7 @@ def _raw_mooncake(tier: SharedTier, src: np.ndarray, batch: int, repeat: int) ->
     return writes, reads
 
 
-def _raw_nixl(tier: SharedTier, src: np.ndarray, batch: int, repeat: int) -> tuple[list[float], list[float]]:
+def _raw_nixl(tier: SharedTier, src: np.ndarray, batch: int, repeat: int, lend: bool) -> tuple[list[float], list[float]]:
     from ..tiers.storage.nixl.agent import NixlAgent, pair
 
     size = src.shape[1]
