@@ -128,7 +128,8 @@ async def test_busy_seconds_count_overlapping_calls_once() -> None:
                 tg.start_soon(backend.get, [k], [page()])
         stats = backend.stats()
         assert stats.seconds["get"] >= 0.39
-        assert 0.19 <= stats.busy_seconds["get"] < 0.3
+        # the overlap counted once (bounds loose enough for a loaded machine)
+        assert 0.19 <= stats.busy_seconds["get"] < 0.75 * stats.seconds["get"]
         await backend.get(keys[:1], [page()])
         after = backend.stats()
         alone_seconds = after.seconds["get"] - stats.seconds["get"]

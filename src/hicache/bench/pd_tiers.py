@@ -152,7 +152,7 @@ def _batches(pages: int, batch: int) -> list[range]:
 def _raw_valkey(tier: SharedTier, src: np.ndarray, batch: int, repeat: int, lend: bool) -> tuple[list[float], list[float]]:
     import redis
 
-    client = redis.Redis(port=int(tier.settings["port"]))
+    client = redis.Redis(port=int(tier.settings["port"]), socket_timeout=60)  # a sample never hangs the bench
     values = [src[i].tobytes() for i in range(len(src))]  # prebuilt: the client's own cost only
     keys = [f"pd-bench-raw/{i}" for i in range(len(src))]
     writes, reads = [], []
