@@ -125,6 +125,28 @@ class FlakyStorageBackend(MemoryBackend):
         return await super()._set(keys, pages)
 
 
+class RefusingFirstStorageBackend(MemoryBackend):
+    """Fault fake: the in-memory backend, but its first ``refusals`` ``set`` calls fail after storing
+    nothing (a store that revokes puts under load for a moment, then takes them again)."""
+
+    kind = "refusing-first"
+
+    class Settings(MemoryBackend.Settings):
+        refusals: int = 2
+
+    settings: Settings
+
+    def __init__(self, **options: object) -> None:
+        super().__init__(**options)
+        self.set_calls = 0
+
+    async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        self.set_calls += 1
+        if self.set_calls <= self.settings.refusals:
+            raise OSError("put revoked (injected)")
+        return await super()._set(keys, pages)
+
+
 # -- slowed real components, for the pressure suite -------------------------------------------
 
 
@@ -173,6 +195,29 @@ class DelayingStorageBackend(StorageBackend):
 
     async def _clear(self) -> None:
         await self.inner._clear()
+
+
+class FailingFirstReadsStorageBackend(DelayingStorageBackend):
+    """Fault fake: a real backend (``inner``) whose first ``read_failures`` ``get`` calls fail after
+    reading nothing (a store's transfer that timed out), then read as the backend does."""
+
+    kind = "failing-first-reads"
+
+    class Settings(DelayingStorageBackend.Settings):
+        delay_s: float = 0.0
+        read_failures: int = 1
+
+    settings: Settings
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.get_calls = 0
+
+    async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
+        self.get_calls += 1
+        if self.get_calls <= self.settings.read_failures:
+            raise TimeoutError("transfer timed out (injected)")
+        return await super()._get(keys, into)
 
 
 class SlowIOBackend(KernelIOBackend):

@@ -131,6 +131,55 @@ def test_a_prompt_handed_off_through_a_shared_folder_arrives_bit_for_bit(tmp_pat
             to_consumer.close()
 
 
+def test_a_write_the_tier_refuses_for_a_moment_is_written_again_within_the_send_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    cfg = _config([{"kind": "tests.fakes:RefusingFirstStorageBackend", "name": "shared", "refusals": 2}])
+    tokens = make_tokens(3 * PS + 1)
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(
+            CacheService(cfg, socket_path("p"), _options(send_s=5.0))) as producer:
+        portal.call(producer.cache.store, tokens[: 3 * PS], make_kv(cfg, 3 * PS))
+        started = time.monotonic()
+        assert portal.call(producer.handoffs.handoff, "r1", tokens)["tokens"] == 3 * PS
+        assert _wait(lambda: producer.handoffs.take({"r1"})[0]) == {"r1"}
+        assert time.monotonic() - started < 4  # after a short back-off, not at the send bound
+        c = producer.counters
+        assert (c.pd_sends, c.pd_send_failures, c.pd_sent_tokens) == (1, 0, 3 * PS)
+        assert producer.cache.controller.storage[0].backend.set_calls >= 3
+
+
+def test_a_read_that_fails_is_read_again_within_the_receive_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pages are in the shared tier, but the consumer's first reads of them fail (a transfer
+    # that timed out): they are read again, and the receive is whole, not recomputed.
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    folder = {"kind": "file", "path": str(tmp_path / "shared")}
+    tokens = make_tokens(4 * PS + 1)
+    producer_cfg = _config([{**folder, "name": "shared"}])
+    kv = make_kv(producer_cfg, 4 * PS)
+    flaky = [{"kind": "tests.fakes:FailingFirstReadsStorageBackend", "name": "shared", "inner": folder, "read_failures": 2}]
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(CacheService(producer_cfg, socket_path("p"), _options())) as producer, \
+                portal.wrap_async_context_manager(CacheService(_config(flaky), socket_path("d"), _options())) as consumer:
+            portal.call(producer.cache.store, tokens[: 4 * PS], kv)
+            handed = portal.call(producer.handoffs.handoff, "r1", tokens)
+            assert _wait(lambda: producer.handoffs.take({"r1"})[0]) == {"r1"}
+            assert portal.call(consumer.handoffs.expect, "r1", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0)
+            copied = Copied()
+            started = time.monotonic()
+            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            (outcome,) = _received(consumer)
+            assert outcome.from_page == 4 and sorted(copied.pages) == list(range(4))  # whole
+            for page, layers in copied.pages.items():
+                for got, want in zip(layers, _page_kv(kv, page)):
+                    assert torch.equal(got, want)
+            c = consumer.counters
+            assert (c.pd_receives, c.pd_receive_failures) == (1, 0)
+            assert c.pd_receive_retries >= 1
+            assert consumer.cache.controller.storage[0].backend.get_calls >= 3
+            assert time.monotonic() - started < 4  # well within receive_timeout_s (5)
+
+
 @pytest.mark.parametrize("differs", [{"tenant_salt": "another-tenant"}, {"revision": "other-weights"}])
 def test_a_consumer_of_another_namespace_is_refused_and_gets_nothing_even_with_a_forged_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, differs: dict[str, str]

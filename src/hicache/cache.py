@@ -445,7 +445,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
     # -- durability -------------------------------------------------------------------------------
 
-    async def persist(self, tokens: Any, *, tier: str | None = None) -> int:
+    async def persist(self, tokens: Any, *, tier: str | None = None, retry_s: float = 0.0) -> int:
         """Make the cached prefix of ``tokens`` durable in storage tier ``tier``; the leading tokens
         (whole pages) that tier holds then, as the tier itself answers.
 
@@ -453,12 +453,13 @@ class HiCache(anyio.AsyncContextManagerMixin):
         the prefix's host pages nobody wrote yet are written, writes already queued for it are
         waited for, and pages the tier has lost since they were written are written again (see
         ``controller/persist.py``). ``tier``: a storage tier's name (default: the first that takes
-        writes). Unbounded by itself: wrap it in a timeout. ``ConfigError`` for an unknown tier.
+        writes). ``retry_s``: how long a failed write is tried again (0: it is not). Unbounded by
+        itself: wrap it in a timeout. ``ConfigError`` for an unknown tier.
         """
         ctl = self.controller
         ctl.check_open()
         tb = as_token_bytes(tokens)
-        return await persist(ctl, tb, self._storage_tier(tier)) * self._page_size
+        return await persist(ctl, tb, self._storage_tier(tier), retry_s=retry_s) * self._page_size
 
     def _storage_tier(self, name: str | None) -> StorageTier:
         tiers = list(self.controller.storage)

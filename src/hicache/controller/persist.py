@@ -14,7 +14,10 @@ gets there with the cache's own write path, no second one:
    believes stored that the tier no longer has (evicted by its own LRU, flushed by an operator)
    are owed again and written once more.
 
-A page whose write failed (``store_failed``) is not retried: the answer stops before it. A rank
+A page whose write failed (``store_failed``) stops the answer before it; with ``retry_s`` its
+write is tried again (the mark forgiven, backing off 0.05 s to 1 s) while that time lasts, so a
+tier that refuses a write for a moment (a store's put lease revoked under load, a full disk freed)
+still gets the prefix within the caller's bound. A rank
 that does not write shared storage (``Namespace.writes_storage``: a replica of a KV head) waits
 for the rank that does, asking the tier until it holds the prefix. The caller bounds the whole
 call (a cancel scope); nothing is left queued on its behalf but ordinary owed writes.
@@ -36,10 +39,12 @@ if TYPE_CHECKING:
 __all__ = ["persist"]
 
 _POLL_S = (0.002, 0.005, 0.01, 0.02, 0.05)  # how often a non-writing rank asks the tier again
+_RETRY_S = (0.05, 0.1, 0.2, 0.5, 1.0)  # the pause before a failed write is tried again
 
 
-async def persist(ctl: CacheController, tb: TokenBytes, tier: StorageTier) -> int:
-    """Leading pages of ``tb``'s full pages that ``tier`` holds once the cache has written what it can."""
+async def persist(ctl: CacheController, tb: TokenBytes, tier: StorageTier, *, retry_s: float = 0.0) -> int:
+    """Leading pages of ``tb``'s full pages that ``tier`` holds once the cache has written what it
+    can; failed writes are tried again for ``retry_s`` seconds."""
     keys = chain_keys(ctl.tree.seed, tb, ctl.tree.page_size)
     if not keys:
         return 0
@@ -55,6 +60,16 @@ async def persist(ctl: CacheController, tb: TokenBytes, tier: StorageTier) -> in
             # The index believed these pages stored (a write or a read said so) but the tier has
             # lost them: they are owed again, and written from host memory once more.
             _owe_again(ctl, tb, have)
+            await _write_owed(ctl, tb)
+            have = await _held(tier, keys)
+        until = anyio.current_time() + retry_s
+        i = 0
+        while have < in_memory:
+            pause = _RETRY_S[min(i, len(_RETRY_S) - 1)]
+            if anyio.current_time() + pause > until or not _forgive_failed(ctl, tb, have):
+                break
+            await anyio.sleep(pause)
+            i += 1
             await _write_owed(ctl, tb)
             have = await _held(tier, keys)
         return have
@@ -93,6 +108,18 @@ def _owe_again(ctl: CacheController, tb: TokenBytes, have: int) -> None:
         if pos + node.num_pages > have and node.stored and not node.storing:
             node.stored = False
         pos += node.num_pages
+
+
+def _forgive_failed(ctl: CacheController, tb: TokenBytes, have: int) -> bool:
+    """Owe again the writes that failed past the tier's first ``have`` pages; whether there were any."""
+    forgiven = False
+    pos = 0
+    for node in ctl.tree.match(tb).path:
+        if pos + node.num_pages > have and node.store_failed and node.host is not None:
+            node.store_failed = False
+            forgiven = True
+        pos += node.num_pages
+    return forgiven
 
 
 async def _wait_for_writer(tier: StorageTier, keys: list[bytes], pages: int) -> int:

@@ -5,7 +5,8 @@ awaited and copied into vLLM's blocks. Every wait is bounded; every outcome is c
 finishes, the scheduler sends ``handoff`` with the prompt's tokens. The worker waits for the steps
 vLLM ended before (their pages committed), answers how many leading tokens the cache holds and a
 ``check`` (a digest of the last page's key: it names namespace, tenant, page size and tokens), and
-starts making them durable in the shared tier (``HiCache.persist``). The scheduler returns those
+starts making them durable in the shared tier (``HiCache.persist``; a write the tier refuses is
+tried again, backing off, until shortly before the bound). The scheduler returns those
 in ``kv_transfer_params`` and keeps the request's blocks; the request is reported finished-sending
 (vLLM frees them) when the tier holds the pages, or after ``send_timeout_s``, counted as failed.
 The blocks are not read after the request's last step (its pages were copied into host pages
@@ -18,7 +19,9 @@ counted: vLLM computes the prompt), then watches for the pages while the request
 the cache (a lookup with prefetch: storage pages come up into the host tier as they appear) until
 they are all there or ``receive_timeout_s`` has passed. Once vLLM has given the request blocks
 (``begin``, from the step's metadata), the pages are held where they lie and copied into those
-blocks in a cache thread, off vLLM's thread, and the request is reported received. What did not
+blocks in a cache thread, off vLLM's thread, and the request is reported received; pages the
+tier listed but whose read came up short (a transfer that failed or timed out) are read again
+while the receive's time lasts (counted: ``pd_receive_retries``). What did not
 arrive in time is reported as failed blocks in the same step, and vLLM recomputes it
 (``kv_load_failure_policy="recompute"``). A request aborted meanwhile ends its receive at once.
 
@@ -57,6 +60,7 @@ __all__ = ["Handoffs", "CopyIn", "ReceiveOutcome"]
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 _POLL_S = (0.002, 0.004, 0.008, 0.016, 0.032, 0.05)  # how often a consumer asks again while pages are on their way
+_REREAD_S = (0.05, 0.1, 0.2, 0.5)  # the pause before a consumer reads again pages whose read came up short
 _COMMIT_WAIT_S = 2.0
 _FORGOTTEN = 10_000  # how long a hand-off waits for the steps vLLM ended before it
 
@@ -165,8 +169,9 @@ class Handoffs:
         started = time.perf_counter()
         durable = 0
         try:
-            with anyio.move_on_after(self.options.send_timeout_s):
-                durable = await self._cache.persist(tokens, tier=self.options.tier)
+            bound = self.options.send_timeout_s
+            with anyio.move_on_after(bound):  # failed writes are tried again until shortly before it
+                durable = await self._cache.persist(tokens, tier=self.options.tier, retry_s=bound * 0.9)
         except HiCacheError as exc:
             log.warning("hicache: hand-off of %s failed: %r", req_id, exc)
         finally:
@@ -253,6 +258,7 @@ class Handoffs:
         ps = cache.page_size
         c = self.service.counters
         pos = spec.first_page
+        rereads = 0
         by_tier: dict[str, int] = {}
         try:
             with rec.copying:
@@ -264,7 +270,17 @@ class Handoffs:
                             held = await stack.enter_async_context(cache.hold(spec.tokens, start=pos * ps))
                             got = min(held.tokens // ps, spec.end_page)
                             if got <= pos:
-                                break
+                                # Seen in storage but not read into memory: the read failed or
+                                # was cut (a store's transfer timed out, the host had no room).
+                                # Ask again while the receive's time lasts.
+                                pause = _REREAD_S[min(rereads, len(_REREAD_S) - 1)]
+                                if anyio.current_time() + pause >= rec.deadline:
+                                    break
+                                rereads += 1
+                                c.pd_receive_retries += 1
+                                await anyio.sleep(pause)
+                                await cache.lookup(spec.tokens, prefetch=True)
+                                continue
                             segments, left = [], got - pos
                             for tier, pages in held.segments:
                                 if left > 0 and pages:
