@@ -179,6 +179,24 @@ WRITER = textwrap.dedent(
 )
 
 
+async def test_prefer_local_segment_puts_pages_into_the_writers_own_segment(mooncake: Any) -> None:
+    # Two clients lend segments; the master spreads a default client's puts over both, and puts
+    # a prefer_local_segment client's into its own (a prefill server's hand-offs: a local copy).
+    def where(backend: MooncakeBackend, keys: list[bytes]) -> set[str]:
+        return {backend._store.get_replica_desc(backend._name(k))[0].get_memory_descriptor()
+                .buffer_descriptor.transport_endpoint for k in keys}
+
+    keys = [key(i) for i in range(16)]
+    async with fresh(mooncake[1]) as spread, fresh(mooncake[1], prefer_local_segment=True) as local:
+        assert await local.set(keys, [page(i) for i in range(16)]) == 16
+        assert where(local, keys) == {local._store.get_hostname()}
+        out = empty(16)
+        assert await spread.get([k for k in keys], out) == 0  # other key prefixes: nothing shared
+        assert await spread.set(keys, [page(i, salt=3) for i in range(16)]) == 16
+        assert len(where(spread, keys)) > 1  # the default: both segments
+        assert await local.get(keys, out) == 16 and all(same(out[i], page(i)) for i in range(16))
+
+
 async def test_two_processes_share_one_cluster(mooncake: Any) -> None:
     import json
 

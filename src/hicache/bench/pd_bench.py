@@ -218,6 +218,7 @@ def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, 
         "handoffs": int(handoffs),
         "received_failures": int(delta(c0, c1, "pd_receive_failures")),
         "refused": int(delta(c0, c1, "pd_receives_refused")),
+        "rereads": int(delta(c0, c1, "pd_receive_retries")),
         "send_failures": int(delta(s0, s1, "pd_send_failures")),
         "handed_bytes_per_request": delta(c0, c1, "pd_received_tokens") * token_bytes / n,
         "written_bytes_per_request": written / n,
@@ -410,7 +411,7 @@ def format_workload(w: dict[str, Any]) -> str:
     lines = [f"== {w['workload']} (ms; TTFT and ITL at the client) ==", _grid(rows), ""]
     moves = [["hand-off (per request)", "MB handed", "MB written", "MB read", "write ms", "read ms", "copy ms",
               "total ms", "raw ms", "x raw", "raw loaded ms", "x raw loaded", "send ms", "receive ms", "failed",
-              "refused"]]
+              "refused", "rereads"]]
     for name, s in w["summary"].items():
         t = s.get("transfer")
         if t is None:
@@ -421,7 +422,8 @@ def format_workload(w: dict[str, Any]) -> str:
                       _ms(t["raw_s_per_request"]), f"{t['transfer_vs_raw']:.2f}",
                       _ms(t.get("raw_loaded_s_per_request", math.nan)), f"{t.get('transfer_vs_raw_loaded', math.nan):.2f}",
                       _ms(t["send_latency_s"]),
-                      _ms(t["receive_wait_s"]), str(t["received_failures"]), str(t["refused"])])
+                      _ms(t["receive_wait_s"]), str(t["received_failures"]), str(t["refused"]),
+                      str(t.get("rereads", 0))])
     if len(moves) > 1:
         lines += [_grid(moves), ""]
     for key, t in w["targets"].items():

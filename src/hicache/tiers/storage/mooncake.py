@@ -26,7 +26,8 @@ Faults: when the master dies, calls fail (RPC errors) or time out; the client pi
 reconnects by itself once it is back (a second or two). If the client reports itself closed, the
 backend sets up a new one. The store is lossy: the master evicts at its high watermark, so a page
 stored earlier can read as not found (-704): always a miss, never an error or wrong data. Object data
-lives in the segment of the client that wrote it, so it disappears when that process exits.
+lives in the segment the master allocated it in (any client's that lends memory; this client's own
+first with ``prefer_local_segment``), so it disappears when that process exits.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ class MooncakeBackend(StorageBackend):
         # Memory this client lends the cluster; 0 mounts none (a pure client: pages live in others' segments).
         global_segment_size: Annotated[int, BeforeValidator(lambda v: parse_size(v, minimum=0))] = 512 * 1024**2
         local_buffer_size: ByteSize = 64 * 1024**2
+        #: Put pages into this client's own segment when it has room (the master picks another
+        #: segment when not): a write is then a copy within this process, and a reader pulls the
+        #: page from here; the pages go when this process does. Needs ``global_segment_size`` > 0.
+        prefer_local_segment: bool = False
         key_prefix: str = Field(default="hicache", min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$")
         #: Buffers at least this large that payload pieces are views of are registered (zero copy).
         register_min: ByteSize = 16 * 1024**2
@@ -146,6 +151,7 @@ class MooncakeBackend(StorageBackend):
     def __init__(self, **options: object) -> None:
         super().__init__(**options)
         self._store: Any = None
+        self._put_config: Any = None  # set with the client (``_placement``)
         self._lock = threading.Lock()  # one client call at a time, abandoned threads included
         self._limiter = anyio.CapacityLimiter(1)
         # address -> (nbytes, owner): buffers registered with the client, least recently used first
@@ -175,7 +181,17 @@ class MooncakeBackend(StorageBackend):
                 f"client setup returned {rc} (master {s.master}, metadata server {s.metadata_server}): "
                 "is mooncake_master running there?",
             )
+        self._put_config = self._placement(store)
         return store
+
+    def _placement(self, store: Any) -> Any:
+        """The ``ReplicateConfig`` of every put: Mooncake's default, or this client's own segment first."""
+        from mooncake.store import ReplicateConfig
+
+        config = ReplicateConfig()
+        if self.settings.prefer_local_segment and self.settings.global_segment_size > 0:
+            config.preferred_segment = store.get_hostname()  # the segment's name: host:port of this client
+        return config
 
     async def _open(self) -> None:
         self._store = await anyio.to_thread.run_sync(self._new_client, limiter=self._limiter)
@@ -403,7 +419,8 @@ class MooncakeBackend(StorageBackend):
                         pos += len(piece)
             # A put onto an existing key keeps the old object, so drop it first (forced: past a lease).
             store.batch_remove(names, True)
-            codes = store.batch_put_from_multi_buffers(names, [p[0] for p in plan], [p[1] for p in plan])
+            codes = store.batch_put_from_multi_buffers(names, [p[0] for p in plan], [p[1] for p in plan],
+                                                       self._put_config)
             for i, code in enumerate(codes):
                 if code != 0:
                     if i == 0:
