@@ -125,28 +125,6 @@ class FlakyStorageBackend(MemoryBackend):
         return await super()._set(keys, pages)
 
 
-class RefusingFirstStorageBackend(MemoryBackend):
-    """Fault fake: the in-memory backend, but its first ``refusals`` ``set`` calls fail after storing
-    nothing (a store that revokes puts under load for a moment, then takes them again)."""
-
-    kind = "refusing-first"
-
-    class Settings(MemoryBackend.Settings):
-        refusals: int = 2
-
-    settings: Settings
-
-    def __init__(self, **options: object) -> None:
-        super().__init__(**options)
-        self.set_calls = 0
-
-    async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
-        self.set_calls += 1
-        if self.set_calls <= self.settings.refusals:
-            raise OSError("put revoked (injected)")
-        return await super()._set(keys, pages)
-
-
 # -- slowed real components, for the pressure suite -------------------------------------------
 
 
@@ -197,21 +175,30 @@ class DelayingStorageBackend(StorageBackend):
         await self.inner._clear()
 
 
-class FailingFirstReadsStorageBackend(DelayingStorageBackend):
-    """Fault fake: a real backend (``inner``) whose first ``read_failures`` ``get`` calls fail after
-    reading nothing (a store's transfer that timed out), then read as the backend does."""
+class FailingFirstCallsStorageBackend(DelayingStorageBackend):
+    """Fault fake: a real backend (``inner``) whose first ``write_failures`` ``set`` calls and first
+    ``read_failures`` ``get`` calls fail after moving nothing (a store that revokes puts, or whose
+    transfers time out, for a moment), then work as the backend does."""
 
-    kind = "failing-first-reads"
+    kind = "failing-first-calls"
 
     class Settings(DelayingStorageBackend.Settings):
         delay_s: float = 0.0
-        read_failures: int = 1
+        write_failures: int = 0
+        read_failures: int = 0
 
     settings: Settings
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
+        self.set_calls = 0
         self.get_calls = 0
+
+    async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        self.set_calls += 1
+        if self.set_calls <= self.settings.write_failures:
+            raise OSError("put revoked (injected)")
+        return await super()._set(keys, pages)
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
         self.get_calls += 1

@@ -135,7 +135,8 @@ def test_a_write_the_tier_refuses_for_a_moment_is_written_again_within_the_send_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
-    cfg = _config([{"kind": "tests.fakes:RefusingFirstStorageBackend", "name": "shared", "refusals": 2}])
+    cfg = _config([{"kind": "tests.fakes:FailingFirstCallsStorageBackend", "name": "shared", "inner": {"kind": "memory"},
+                    "write_failures": 2}])
     tokens = make_tokens(3 * PS + 1)
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(
             CacheService(cfg, socket_path("p"), _options(send_s=5.0))) as producer:
@@ -157,7 +158,8 @@ def test_a_read_that_fails_is_read_again_within_the_receive_bound(tmp_path: Path
     tokens = make_tokens(4 * PS + 1)
     producer_cfg = _config([{**folder, "name": "shared"}])
     kv = make_kv(producer_cfg, 4 * PS)
-    flaky = [{"kind": "tests.fakes:FailingFirstReadsStorageBackend", "name": "shared", "inner": folder, "read_failures": 2}]
+    flaky = [{"kind": "tests.fakes:FailingFirstCallsStorageBackend", "name": "shared", "inner": folder,
+              "read_failures": 2}]
     with start_blocking_portal() as portal:
         with portal.wrap_async_context_manager(CacheService(producer_cfg, socket_path("p"), _options())) as producer, \
                 portal.wrap_async_context_manager(CacheService(_config(flaky), socket_path("d"), _options())) as consumer:
