@@ -307,8 +307,9 @@ class Handoffs:
             if missing:
                 c.pd_receive_failures += 1
                 if not rec.cancelled:
-                    log.info("hicache: %s: %d of %d tokens from the prefill server arrived within %.1f s; vLLM "
-                             "recomputes the rest", rec.req_id, loaded, loaded + missing, self.options.receive_timeout_s)
+                    log.info("hicache: %s: %d of %d tokens from the prefill server arrived in %.1f s (bound %.1f s); "
+                             "vLLM recomputes the rest", rec.req_id, loaded, loaded + missing,
+                             time.perf_counter() - rec.started, self.options.receive_timeout_s)
             else:
                 c.pd_receives += 1
             c.pd_received_tokens += loaded
