@@ -110,9 +110,9 @@ class LoadedRaw:
             except Exception:  # a sample lost (the tier busy past a client's timeout): counted, not fatal
                 self.errors += 1
 
-    def stop(self) -> dict[str, float] | None:
+    def stop(self, join_s: float = 120.0) -> dict[str, float] | None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(join_s)  # a sample stalled past it is left to end on its own (a daemon thread)
         if not self.samples:
             return None
         return {"write_gbps": statistics.median(s["write_gbps"] for s in self.samples),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from ..keys import TokenBytes, chain_keys
-from ..radix_tree import Pin
+from ..radix_tree import Pin, TreeNode
 
 if TYPE_CHECKING:
     from ..tiers.storage.tier import StorageTier
@@ -66,10 +66,14 @@ async def persist(ctl: CacheController, tb: TokenBytes, tier: StorageTier, *, re
         i = 0
         while have < in_memory:
             pause = _RETRY_S[min(i, len(_RETRY_S) - 1)]
-            if anyio.current_time() + pause > until or not _forgive_failed(ctl, tb, have):
+            failed = _failed_past(ctl, tb, have)
+            if not failed or anyio.current_time() + pause > until:
                 break
             await anyio.sleep(pause)
             i += 1
+            for node in failed:  # forgiven only now, with the write queued next (not before a cancelled sleep)
+                if node.host is not None:
+                    node.store_failed = False
             await _write_owed(ctl, tb)
             have = await _held(tier, keys)
         return have
@@ -110,16 +114,14 @@ def _owe_again(ctl: CacheController, tb: TokenBytes, have: int) -> None:
         pos += node.num_pages
 
 
-def _forgive_failed(ctl: CacheController, tb: TokenBytes, have: int) -> bool:
-    """Owe again the writes that failed past the tier's first ``have`` pages; whether there were any."""
-    forgiven = False
-    pos = 0
+def _failed_past(ctl: CacheController, tb: TokenBytes, have: int) -> list[TreeNode]:
+    """The prefix's nodes past the tier's first ``have`` pages whose write failed, with host pages to write again."""
+    failed, pos = [], 0
     for node in ctl.tree.match(tb).path:
         if pos + node.num_pages > have and node.store_failed and node.host is not None:
-            node.store_failed = False
-            forgiven = True
+            failed.append(node)
         pos += node.num_pages
-    return forgiven
+    return failed
 
 
 async def _wait_for_writer(tier: StorageTier, keys: list[bytes], pages: int) -> int:
