@@ -209,6 +209,11 @@ def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, 
     summed = (_backend(p1, "seconds", "set") - _backend(p0, "seconds", "set")
               + _backend(d1, "seconds", "get") - _backend(d0, "seconds", "get"))
     copy_s = delta(c0, c1, "pd_copy_s")
+    # Calls and pages each way: how the bytes were batched (the raw client moves 8 pages a call).
+    set_calls = _backend(p1, "calls", "set") - _backend(p0, "calls", "set")
+    get_calls = _backend(d1, "calls", "get") - _backend(d0, "calls", "get")
+    pages_in = _backend(p1, "pages_written") - _backend(p0, "pages_written")
+    pages_out = _backend(d1, "pages_read") - _backend(d0, "pages_read")
     ours = set_s + get_s + copy_s
     raw_s = written / 1e9 / raw["write_gbps"] + read / 1e9 / raw["read_gbps"]
     loaded_s = (written / 1e9 / loaded["write_gbps"] + read / 1e9 / loaded["read_gbps"]) if loaded else math.nan
@@ -226,6 +231,9 @@ def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, 
         "write_s_per_request": set_s / n,
         "read_s_per_request": get_s / n,
         "copy_s_per_request": copy_s / n,
+        "pages_per_write_call": pages_in / set_calls if set_calls else math.nan,
+        "pages_per_read_call": pages_out / get_calls if get_calls else math.nan,
+        "exists_calls_per_request": (_backend(d1, "calls", "exists") - _backend(d0, "calls", "exists")) / n,
         "transfer_s_per_request": ours / n,
         "summed_call_s_per_request": summed / n,
         "raw_s_per_request": raw_s / n,
