@@ -18,7 +18,7 @@ from hicache import ConfigError, UnsupportedModelError, load_config
 from hicache.integrations.vllm.channel import ChannelClient, encode, pack_tokens, socket_path, unpack_tokens
 from hicache.integrations.vllm.export import decode
 from hicache.integrations.vllm.export import encode as encode_families
-from hicache.integrations.vllm.layout import BlockLayout
+from hicache.integrations.vllm.layout import BlockLayout, copy_all
 from hicache.integrations.vllm.service import CacheService
 from hicache.integrations.vllm.settings import cache_config_for, connector_options, weights_fingerprint
 
@@ -84,6 +84,11 @@ def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit
     assert torch.equal(target[block_ids[1]], vllm_layer[block_ids[1]])
     assert torch.equal(target[block_ids[2]], vllm_layer[block_ids[2]])
     assert not target[block_ids[0]].any() and not target[0].any()
+    # The same load as page-by-page pairs in one call (what a hand-off's receive does): the same blocks.
+    again = torch.zeros_like(vllm_layer)
+    copy_all(layout.copy_in_pairs(layout.pages_view(tier.layer_view(layer)), layout.blocks_view(again),
+                                  layout.runs(block_ids, first, tier_pages[first:])))
+    assert torch.equal(again, target)
 
 
 def test_a_page_size_that_does_not_divide_the_block_size_or_a_foreign_layout_is_refused() -> None:

@@ -28,7 +28,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ...config import HiCacheConfig
 from ...errors import HiCacheError
 from .cpus import reserved_cpus, use_cpus
-from .layout import BlockLayout, CopyRun
+from .layout import BlockLayout, CopyRun, copy_all
 from .metadata import HiCacheMetadata, LoadSpec
 from .service import CacheService, StepLeases
 from .settings import ConnectorOptions
@@ -330,9 +330,8 @@ class WorkerSide:
         for tier, pages in segments:
             plans.append((self._views(tier), self.layout.runs(block_ids, page, pages)))
             page += len(pages)
-        for layer, blocks in self.layers.values():
-            for views, runs in plans:
-                self.layout.copy_in(views[layer], blocks, runs)
+        copy_all([pair for layer, blocks in self.layers.values() for views, runs in plans
+                  for pair in self.layout.copy_in_pairs(views[layer], blocks, runs)])
 
 
 def _scale(by_tier: dict[str, int], kept: int, tokens: int) -> dict[str, int]:
