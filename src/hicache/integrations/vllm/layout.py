@@ -138,12 +138,13 @@ class BlockLayout:
 
     def copy_in_pairs(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> list[tuple[Any, Any]]:
         """``copy_in``'s copies as ``(dst, src)`` views, one page each, for ``copy_all``."""
-        return [
-            (self._blocks(blocks, CopyRun(run.block + i * (self.per_block == 1), run.sub + i * (self.per_block > 1),
-                                          run.page + i, 1)),
-             _permute(pages[run.page + i : run.page + i + 1], (0, 3, 1, 2, 4)))
-            for run in runs for i in range(run.length)
-        ]
+        out = []
+        for run in runs:
+            for i in range(run.length):  # page i of the run: the next block, or the next sub-block of one
+                one = (CopyRun(run.block + i, 0, run.page + i, 1) if self.per_block == 1
+                       else CopyRun(run.block, run.sub + i, run.page + i, 1))
+                out.append((self._blocks(blocks, one), _permute(pages[one.page : one.page + 1], (0, 3, 1, 2, 4))))
+        return out
 
     def copy_out(self, blocks: Any, pages: Any, runs: list[CopyRun]) -> None:
         """vLLM -> hicache, the inverse of ``copy_in``."""

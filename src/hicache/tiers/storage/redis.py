@@ -3,9 +3,10 @@
 One value per page, holding the canonical page format (header + checksum + payload): a page is
 stored, replaced or lost whole, so the tier's verification sees either the page or a miss. Reads
 and writes of a batch go out as pipelines over pooled connections (``redis.asyncio`` with hiredis
-parsing); the two verbs that carry pages, ``GET`` and ``SET``, go through redis-py's blocking
-client in worker threads (see ``_READ_CHUNK``). A key the server lost (evicted under ``maxmemory``, expired by ``ttl_s``, or gone with a
-restart) is simply a miss. The server is shared: ``clear`` removes only keys under ``key_prefix``
+parsing); the two verbs that carry pages, ``GET`` and ``SET``, go in worker threads on redis-py's
+blocking pool, straight between the socket and the pages' buffers (``redis_pages.py``; over TLS,
+redis-py's pipeline). A key the server lost (evicted under ``maxmemory``, expired by ``ttl_s``, or
+gone with a restart) is simply a miss. The server is shared: ``clear`` removes only keys under ``key_prefix``
 (matched literally: glob characters in the prefix are escaped), and the password is a secret, never
 shown in stats, logs or config dumps.
 
@@ -56,12 +57,12 @@ log = logging.getLogger(__name__)
 #: Seconds between slot-map refreshes while a node stays unreachable.
 _REFRESH_INTERVAL_S = 1.0
 
-#: Bytes the blocking client asks of the socket per read. Pages go through it, in worker threads,
-#: because the asyncio client reads 64-256 KiB per event-loop turn and needs the GIL back for each
-#: one: a 5.6 MiB page is ~90 turns, and in an engine's process, where the engine's own thread
-#: holds the GIL most of the time, each turn waits for it (measured here, one process, a thread
-#: burning Python beside the calls: asyncio GET 0.15-0.18 GB/s, the blocking client reading 2 MiB
-#: at a time 0.8 GB/s; quiet, 0.9 against 2.3-2.5).
+#: Bytes the blocking client asks of the socket per read, where its pipeline carries pages (over
+#: TLS). Pages go through the blocking pool, in worker threads, because the asyncio client reads
+#: 64-256 KiB per event-loop turn and needs the GIL back for each one, and in an engine's process
+#: the engine's thread holds the GIL most of the time (one process, a thread burning Python beside
+#: the calls: asyncio GET 0.15-0.18 GB/s, the blocking client reading 2 MiB at a time 0.8 GB/s,
+#: straight into the buffers 1.3-1.4; quiet 0.9, 2.3-2.5, 2.6-3.0).
 _READ_CHUNK = 2 << 20
 
 
@@ -87,7 +88,8 @@ class RedisBackend(StorageBackend):
         # it to the server's own maxmemory policy).
         capacity: ByteSize | None = None
         ttl_s: int | None = Field(default=None, gt=0)  # expire pages after this long (None: never)
-        max_connections: int = Field(default=8, ge=1)  # per server (per node in a cluster)
+        # per server (per node in a cluster), for each of the two pools: pages' GET/SET, everything else
+        max_connections: int = Field(default=8, ge=1)
         connect_timeout_s: float = Field(default=2.0, gt=0)
         tls_ca_file: str | None = None  # with a rediss:// url
         tls_cert_file: str | None = None

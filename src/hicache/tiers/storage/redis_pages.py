@@ -10,8 +10,8 @@ burning Python beside the reader: 1.3-1.4 GB/s against 0.8 through hiredis; quie
 1.0-2.9).
 
 Only on plain TCP and unix sockets (``MSG_WAITALL`` and ``sendmsg`` do not go through TLS;
-``rediss://`` uses redis-py's pipeline). The connection comes from the blocking client's pool, which hands out only one with
-nothing left to read, and goes back the same way: every reply of the batch is consumed (values that
+``rediss://`` uses redis-py's pipeline). The connection comes from the blocking client's pool,
+which hands out only one with nothing left to read, and goes back the same way: every reply of the batch is consumed (values that
 do not fit drained), or the connection is closed. Every wait is bounded by one deadline for the call.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .base import PageIO
+from .base import PageIO, fits
 
 __all__ = ["get_into", "set_from"]
 
@@ -110,11 +110,7 @@ def _send(sock: socket.socket, parts: list[Any], deadline: float) -> None:
     views = [memoryview(p).cast("B") for p in parts]
     i = 0
     while i < len(views):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _Late("the server took no whole batch within the call's timeout")
-        sec = int(left)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, int((left - sec) * 1e6) or 1))
+        _bound(sock, socket.SO_SNDTIMEO, deadline)
         try:
             n = sock.sendmsg(views[i : i + _IOV])
         except (BlockingIOError, InterruptedError):
@@ -163,8 +159,7 @@ def _receive(sock: socket.socket, into: Sequence[PageIO], variable: bool, deadli
         if size < 0:  # RESP2's null
             out.append(None)
             continue
-        room = io.nbytes
-        if (variable and not (len(io.header) <= size <= room)) or (not variable and size != room):
+        if not fits(size, io.nbytes, [] if variable else None):  # (fits asks only whether sizes vary)
             drained += size
             if drained > _DRAIN_MAX:
                 raise _Protocol("values that do not fit: too many bytes to read past")
@@ -186,12 +181,14 @@ def _receive(sock: socket.socket, into: Sequence[PageIO], variable: bool, deadli
     return out
 
 
-def _timeout(sock: socket.socket, deadline: float) -> None:
+def _bound(sock: socket.socket, option: int, deadline: float) -> None:
+    """The next blocking ``recv`` (``SO_RCVTIMEO``) or ``sendmsg`` (``SO_SNDTIMEO``) waits at most
+    until ``deadline``; ``_Late`` once it has passed."""
     left = deadline - time.monotonic()
     if left <= 0:
         raise _Late("no whole answer within the call's timeout")
     sec = int(left)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((left - sec) * 1e6) or 1))
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", sec, int((left - sec) * 1e6) or 1))
 
 
 def _exactly(sock: socket.socket, buf: Any, deadline: float) -> Any:
@@ -199,7 +196,7 @@ def _exactly(sock: socket.socket, buf: Any, deadline: float) -> Any:
     view = memoryview(buf).cast("B")
     pos = 0
     while pos < len(view):
-        _timeout(sock, deadline)
+        _bound(sock, socket.SO_RCVTIMEO, deadline)
         try:
             n = sock.recv_into(view[pos:], len(view) - pos, socket.MSG_WAITALL)
         except (BlockingIOError, InterruptedError):  # SO_RCVTIMEO ran out (or a signal): check the deadline
@@ -214,7 +211,7 @@ def _line(sock: socket.socket, deadline: float) -> bytes:
     """A reply's first line, without its CRLF (peeked, then consumed exactly)."""
     size = 64  # a length line is a few bytes; an error's message may be longer
     while True:
-        _timeout(sock, deadline)
+        _bound(sock, socket.SO_RCVTIMEO, deadline)
         try:
             peek = sock.recv(size, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
