@@ -61,7 +61,7 @@ CONNECTOR_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "vllm_pd_receives_refused": ("counter", (), "Hand-offs of another namespace (weights, tenant, page size): computed here"),
     "vllm_pd_receive_retries": ("counter", (), "Reads of a hand-off's listed pages that came up short and were asked again"),
     "vllm_pd_receive_wait_seconds": ("counter", (), "Seconds from a queued request to its hand-off copied in, summed"),
-    "vllm_pd_copy_seconds": ("counter", (), "Seconds copying received pages into vLLM's blocks (on vLLM's thread), summed"),
+    "vllm_pd_copy_seconds": ("counter", (), "Seconds copying received pages into vLLM's blocks (cache threads), summed"),
     "vllm_pd_in_flight": ("gauge", ("side",), "Hand-offs in flight now (side: send or receive)"),
 }
 

@@ -18,9 +18,8 @@ lookup carries them (``expect``): the worker compares the check with its own for
 counted: vLLM computes the prompt), then watches for the pages while the request waits, asking
 the cache (a lookup with prefetch: storage pages come up into the host tier as they appear) until
 they are all there or ``receive_timeout_s`` has passed. Once vLLM has given the request blocks
-(``begin``, from the step's metadata), the pages are held where they lie as they come into memory,
-then copied into those blocks by vLLM's own thread in its next ``get_finished``, which reports the
-request received in the same call (``copy_queue.py`` says why there); pages the
+(``begin``, from the step's metadata), the pages are held where they lie and copied into those
+blocks in a cache thread, off vLLM's thread, and the request is reported received; pages the
 tier listed but whose read came up short (a transfer that failed or timed out) are read again
 while the receive's time lasts (counted: ``pd_receive_retries``). What did not
 arrive in time is reported as failed blocks in the same step, and vLLM recomputes it
@@ -35,7 +34,6 @@ only once vLLM has told the worker the request finished (``get_finished``'s cont
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import logging
@@ -50,7 +48,6 @@ import anyio
 
 from ...errors import HiCacheError
 from ...keys import as_token_bytes, chain_keys
-from .copy_queue import Copy, CopyIn, CopyQueue
 from .settings import PDOptions
 
 if TYPE_CHECKING:
@@ -66,6 +63,11 @@ _POLL_S = (0.002, 0.004, 0.008, 0.016, 0.032, 0.05)  # how often a consumer asks
 _REREAD_S = (0.05, 0.1, 0.2, 0.5)  # the pause before a consumer reads again pages whose read came up short
 _COMMIT_WAIT_S = 2.0
 _FORGOTTEN = 10_000  # how long a hand-off waits for the steps vLLM ended before it
+
+#: ``copy_in(block_ids, first_page, segments)``: copy held pages (``[(tier, pages)]``, from token
+#: page ``first_page`` on) into the request's vLLM blocks, every layer (run in a cache thread).
+CopyIn = Callable[[list[int], int, list[tuple[Any, list[int]]]], None]
+
 
 @dataclasses.dataclass
 class ReceiveOutcome:
@@ -134,7 +136,6 @@ class Handoffs:
         self._finished: set[str] = set()  # vLLM said finished, the send not done yet
         self._received: list[ReceiveOutcome] = []
         self._ready = threading.Event()  # set when a send or receive is done, for a waiting ``take``
-        self._copies = CopyQueue(self._ready)  # received pages, for vLLM's thread to copy in
 
     @property
     def _cache(self) -> Any:
@@ -251,8 +252,6 @@ class Handoffs:
         self.service.spawn(self._receive, rec, copy_in)
 
     async def _receive(self, rec: _Receive, copy_in: CopyIn) -> None:
-        """Hold the pages as they come into memory, then have vLLM's thread copy them all in one go
-        (``copy_queue.py``); whatever the outcome, the request is reported received once."""
         spec = rec.spec
         assert spec is not None
         cache = self._cache
@@ -261,13 +260,11 @@ class Handoffs:
         pos = spec.first_page
         rereads = 0
         by_tier: dict[str, int] = {}
-        copy: Copy | None = None
         try:
             with rec.copying:
                 with anyio.move_on_at(rec.deadline):
                     await rec.arrived.wait()
                 async with AsyncExitStack() as stack:
-                    segments: list[tuple[Any, list[int]]] = []
                     with anyio.move_on_at(max(rec.deadline, anyio.current_time() + 0.5)):
                         while pos < spec.end_page and not rec.cancelled:
                             held = await stack.enter_async_context(cache.hold(spec.tokens, start=pos * ps))
@@ -284,11 +281,14 @@ class Handoffs:
                                 await anyio.sleep(pause)
                                 await cache.lookup(spec.tokens, prefetch=True)
                                 continue
-                            left = got - pos
+                            segments, left = [], got - pos
                             for tier, pages in held.segments:
                                 if left > 0 and pages:
                                     segments.append((tier, pages[:left]))
                                     left -= len(pages[:left])
+                            started = time.perf_counter()
+                            await anyio.to_thread.run_sync(copy_in, spec.block_ids, pos, segments)
+                            c.pd_copy_s += time.perf_counter() - started
                             take = (got - pos) * ps
                             for tier, n in held.by_tier.items():  # the tiers that supplied them, in order
                                 share = min(int(n), take)
@@ -296,18 +296,11 @@ class Handoffs:
                                     by_tier[tier] = by_tier.get(tier, 0) + share
                                     take -= share
                             pos = got
-                    if segments and not rec.cancelled:
-                        copy = Copy(spec, copy_in, pos, segments, asyncio.get_running_loop())
-                        self._copies.post(copy)
-                        await self._copies.wait(copy)  # the leases end after it (the stack's exit)
         except HiCacheError as exc:
             log.warning("hicache: receiving the KV of %s failed: %r", rec.req_id, exc)
         finally:
-            reported = copy is not None and copy.state == "done"  # take() reported it with the copy
-            if copy is not None:
-                c.pd_copy_s += copy.seconds
-                if copy.state != "done" or copy.error is not None:
-                    pos, by_tier = spec.first_page, {}  # nothing (reliable) reached vLLM's blocks
+            if self._receives.get(rec.req_id) is rec:
+                del self._receives[rec.req_id]
             loaded = (pos - spec.first_page) * ps
             missing = (spec.end_page - pos) * ps
             c.pd_receive_wait_s += time.perf_counter() - rec.started
@@ -321,12 +314,9 @@ class Handoffs:
                 c.pd_receives += 1
             c.pd_received_tokens += loaded
             self.service.record_loads([(rec.req_id, loaded, by_tier, missing)])
-            if not reported:
-                with self._lock:
-                    self._received.append(ReceiveOutcome(spec, pos))
-                self._ready.set()
-            if self._receives.get(rec.req_id) is rec:  # last: ``in_flight`` then says it is all counted
-                del self._receives[rec.req_id]
+            with self._lock:
+                self._received.append(ReceiveOutcome(spec, pos))
+            self._ready.set()
 
     def forget(self, req_id: str, *, finished: bool = True) -> None:
         """The request finished or was aborted (``finished``), or vLLM holds its prefix itself: end its receive."""
@@ -337,7 +327,6 @@ class Handoffs:
                 self._forgotten.popitem(last=False)
 
     def _end(self, req_id: str) -> None:
-        self._copies.withdraw(req_id)  # now, before the scheduler goes on: its blocks may be given away
         rec = self._receives.pop(req_id, None)
         if rec is not None:
             rec.cancel()
@@ -355,8 +344,6 @@ class Handoffs:
         if wait_s > 0 and not self._ready.is_set() and (self._sends or self._receives):
             self._ready.wait(wait_s)
         self._ready.clear()
-        copied = [ReceiveOutcome(copy.spec, copy.end_page if copy.error is None else copy.spec.first_page)
-                  for copy in self._copies.run()]
         with self._lock:
             for rid in finished_req_ids:
                 if rid in self._sending or rid in self._sent:
@@ -364,13 +351,8 @@ class Handoffs:
             sent = self._sent & self._finished
             self._sent -= sent
             self._finished -= sent
-            received, self._received = self._received + copied, []
+            received, self._received = self._received, []
         return sent, received
-
-    @property
-    def copies_queued(self) -> int:
-        """Receives whose pages are held, waiting for vLLM's next ``get_finished`` to copy them in."""
-        return self._copies.queued
 
     @property
     def in_flight(self) -> tuple[int, int]:

@@ -89,7 +89,7 @@ class ConnectorCounters:
     pd_receives_refused: int = 0  # the producer's check is not this namespace's: computed here
     pd_receive_retries: int = 0  # reads of listed pages that came up short and were asked again
     pd_receive_wait_s: float = 0.0  # seconds from the queued request to its pages copied (or given up), summed
-    pd_copy_s: float = 0.0  # seconds copying received pages into vLLM's blocks (on vLLM's thread), summed
+    pd_copy_s: float = 0.0  # seconds copying received pages into vLLM's blocks (cache threads), summed
 
 
 @dataclasses.dataclass

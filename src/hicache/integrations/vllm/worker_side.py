@@ -324,9 +324,8 @@ class WorkerSide:
         return sent, {outcome.spec.req_id for outcome in received}
 
     def _copy_received(self, block_ids: list[int], first_page: int, segments: list[tuple[Any, list[int]]]) -> None:
-        """On vLLM's thread (``get_finished``, ``copy_queue.py``): held pages from token page
-        ``first_page`` on into a waiting request's blocks, every layer (vLLM runs no forward over
-        these blocks until they are reported)."""
+        """In a cache thread: held pages from token page ``first_page`` on into a waiting request's
+        blocks, every layer (vLLM runs no forward over these blocks until they are reported)."""
         plans, page = [], first_page
         for tier, pages in segments:
             plans.append((self._views(tier), self.layout.runs(block_ids, page, pages)))
