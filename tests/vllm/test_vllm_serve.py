@@ -241,8 +241,8 @@ def test_sigterm_after_a_burst_of_saves_drains_every_promised_page_to_storage(se
     promised = stats["connector"]["saved_tokens"] // BLOCK  # write-through: every saved page is owed to storage
     # The cache's own count of pages stored, not the files on disk: a batch's files appear before its
     # count does, so a file seen here may be counted again as written while draining. The count only
-    # grows, so what the drain wrote is at most what this last look had not counted yet.
-    stored_before = server.stats()["cache"]["storage_backups"]
+    # grows, so what the drain wrote is at most what this snapshot had not counted yet.
+    stored_before = stats["cache"]["storage_backups"]
     at_sigterm = server.page_files()
     server.proc.send_signal(signal.SIGTERM)
     assert at_sigterm < promised, "no write was pending at SIGTERM: the burst proves nothing"
