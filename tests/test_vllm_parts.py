@@ -6,6 +6,7 @@ The end-to-end tests with vLLM itself are in tests/vllm (run in .venv-vllm by `m
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +19,7 @@ from hicache import ConfigError, UnsupportedModelError, load_config
 from hicache.integrations.vllm.channel import ChannelClient, encode, pack_tokens, socket_path, unpack_tokens
 from hicache.integrations.vllm.export import decode
 from hicache.integrations.vllm.export import encode as encode_families
+from hicache.integrations.vllm.gil import DEFAULT_SWITCH_INTERVAL_S, shorten_switch_interval
 from hicache.integrations.vllm.layout import BlockLayout, copy_all
 from hicache.integrations.vllm.service import CacheService
 from hicache.integrations.vllm.settings import cache_config_for, connector_options, weights_fingerprint
@@ -153,10 +155,29 @@ def test_the_connectors_own_extra_keys_are_checked() -> None:
     opts = connector_options({"metrics_port": 0, "stats_interval_s": 0.5})
     assert (opts.metrics_port, opts.stats_interval_s, opts.metrics_host) == (0, 0.5, "127.0.0.1")
     assert connector_options({}).metrics_port is None
+    assert connector_options({}).gil_switch_interval_s == DEFAULT_SWITCH_INTERVAL_S
+    assert connector_options({"gil_switch_interval_s": 0.001}).gil_switch_interval_s == 0.001
+    assert connector_options({"gil_switch_interval_s": 0}).gil_switch_interval_s is None
+    assert connector_options({"gil_switch_interval_s": None}).gil_switch_interval_s is None
     for bad in ({"metrics_port": 70000}, {"metrics_port": "9400"}, {"metrics_port": True},
-                {"stats_interval_s": -1}, {"stats_interval_s": float("nan")}, {"metrics_host": ""}):
+                {"stats_interval_s": -1}, {"stats_interval_s": float("nan")}, {"metrics_host": ""},
+                {"gil_switch_interval_s": -0.001}, {"gil_switch_interval_s": "fast"}, {"gil_switch_interval_s": 2},
+                {"gil_switch_interval_s": True}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             connector_options(bad)
+
+
+def test_the_switch_interval_is_shortened_never_lengthened() -> None:
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert shorten_switch_interval(0.0005) == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert shorten_switch_interval(0.002) == pytest.approx(0.0005)  # someone set it shorter: kept
+        assert shorten_switch_interval(None) == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)
 
 
 # -- metrics export --------------------------------------------------------------------------------

@@ -166,6 +166,11 @@ def test_vllm_serve_answers_and_serves_a_repeated_prompt_from_hicache(server: Se
     assert server.stats()["connector"]["loaded_tokens"] >= 2 * BLOCK
 
 
+def test_the_worker_shortened_the_gil_switch_interval_before_the_cache_started(server: Server) -> None:
+    # The default of gil_switch_interval_s (0.5 ms against CPython's 5 ms), set in vLLM's worker process.
+    assert "GIL switch interval is 0.50 ms (was 5.00 ms)" in server.log.read_text()
+
+
 def test_a_long_prefix_is_loaded_only_where_vllm_lacks_it_straight_from_the_host_tier(server: Server) -> None:
     doc = _tokens(6 * BLOCK + 20)
     first = server.complete(doc, max_tokens=6)  # vLLM alone computes it all; hicache saves its 6 blocks

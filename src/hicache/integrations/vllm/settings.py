@@ -12,6 +12,9 @@ the model's identity and KV geometry from vLLM's model config.
   stats, which vLLM's ``/metrics`` then exports (default 1.0; 0 turns it off);
 * ``metrics_port`` / ``metrics_host``: also serve hicache's own ``/metrics`` from the worker
   (default: not served; host ``127.0.0.1``; port 0 picks a free one, logged);
+* ``gil_switch_interval_s``: the interpreter's GIL switch interval the worker sets before the
+  cache starts, if shorter than the one in force (default 0.0005; ``0`` or ``null`` leaves it;
+  ``gil.py`` says why);
 * ``pd``: prefill/decode hand-offs (``kv_role`` ``kv_producer``, ``kv_consumer``, ``kv_both``;
   ``PDOptions``): ``tier``, the storage tier a producer's prompts must be durable in before they
   are reported sent (default: the first that takes writes), ``send_timeout_s`` (30) and
@@ -43,6 +46,7 @@ import yaml
 from ...config import HiCacheConfig
 from ...containers import load_config
 from ...errors import ConfigError, UnsupportedModelError
+from .gil import DEFAULT_SWITCH_INTERVAL_S
 
 __all__ = [
     "EXTRA_KEYS", "ConnectorOptions", "PDOptions", "Roles", "cache_config_for", "connector_options", "parallel_section", "weights_fingerprint",
@@ -51,7 +55,8 @@ __all__ = [
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
-EXTRA_KEYS = ("config", "overrides", "staging_tokens", "stats_interval_s", "metrics_port", "metrics_host", "pd")
+EXTRA_KEYS = ("config", "overrides", "staging_tokens", "stats_interval_s", "metrics_port", "metrics_host",
+              "gil_switch_interval_s", "pd")
 _PD_KEYS = ("tier", "send_timeout_s", "receive_timeout_s")
 
 
@@ -98,6 +103,7 @@ class ConnectorOptions:
     stats_interval_s: float = 1.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    gil_switch_interval_s: float | None = DEFAULT_SWITCH_INTERVAL_S
     pd: PDOptions = PDOptions()
 
 
@@ -133,8 +139,13 @@ def connector_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
     host = extra.get("metrics_host", "127.0.0.1")
     if not isinstance(host, str) or not host:
         raise ConfigError(f"kv_connector_extra_config.metrics_host must be a host name or address, not {host!r}")
+    switch = extra.get("gil_switch_interval_s", DEFAULT_SWITCH_INTERVAL_S)
+    if switch is not None and (isinstance(switch, bool) or not isinstance(switch, int | float)
+                               or not math.isfinite(switch) or not 0 <= switch <= 1):
+        raise ConfigError(f"kv_connector_extra_config.gil_switch_interval_s must be seconds in [0, 1] or null, "
+                          f"not {switch!r}")
     return ConnectorOptions(stats_interval_s=float(interval), metrics_port=port, metrics_host=host,
-                            pd=_pd_options(extra.get("pd")))
+                            gil_switch_interval_s=float(switch) if switch else None, pd=_pd_options(extra.get("pd")))
 
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
