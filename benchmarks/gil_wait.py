@@ -2,14 +2,16 @@
 
 Usage::
 
-    python benchmarks/gil_wait.py [--page-mib 5.6] [--calls 40] [--intervals 5,1,0.5,0.2,0.1]
+    python benchmarks/gil_wait.py [--page-mib 5.6] [--calls 40] [--intervals 5,1,0.5,0.2,0.1] [--engine torch]
 
 Inside vLLM's worker the cache's threads share the interpreter with vLLM's thread, which runs the
 model's Python between its torch calls. Every call of ours that releases the GIL has to take it
 back when it returns, and CPython makes that thread wait out the switch interval before it asks
 (``integrations/vllm/gil.py``). Timed per call on one page of ``--page-mib`` MiB, from a thread on
-one core, alone ("quiet") and beside a thread on the other core that runs small torch ops and
-Python in a loop (an engine's forward in miniature), at each switch interval (ms):
+one core, alone ("quiet") and beside a thread on the other core that runs Python in a loop
+(``--engine python``, the default: an engine's input preparation, sampling and scheduling) or
+small torch ops with some Python between them (``--engine torch``: each op lets the GIL go, so
+the waits are shorter), at each switch interval (ms):
 
 * ``xxh3``: the page's checksum (what every storage read and write computes);
 * ``copy``: ``torch.Tensor.copy_`` of the page (a copy into or out of vLLM's blocks);
@@ -69,10 +71,11 @@ def _time(fn, calls: int) -> float:
 
 
 class _Engine:
-    """A thread on its own core running small torch ops and Python, as an engine's forward does."""
+    """A thread on its own core running Python (and, ``torch``, small torch ops), as an engine's step does."""
 
-    def __init__(self, cpu: int | None) -> None:
+    def __init__(self, cpu: int | None, kind: str) -> None:
         self.loops = 0
+        self._kind = kind
         self._stop = threading.Event()
         self._cpu = cpu
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -83,9 +86,10 @@ class _Engine:
             os.sched_setaffinity(0, {self._cpu})
         x = torch.randn(64, 64)
         while not self._stop.is_set():
-            y = x
-            for _ in range(8):
-                y = torch.tanh(y @ x) * 0.5
+            if self._kind == "torch":
+                y = x
+                for _ in range(8):
+                    y = torch.tanh(y @ x) * 0.5
             sum(range(20_000))  # the Python between an engine's torch calls (input preparation, sampling, scheduling)
             self.loops += 1
 
@@ -104,6 +108,7 @@ def main() -> None:
     ap.add_argument("--page-mib", type=float, default=5.6)
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--intervals", default="5,1,0.5,0.2,0.1", help="switch intervals to try, ms")
+    ap.add_argument("--engine", choices=["python", "torch"], default="python", help="what the engine thread runs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -120,10 +125,10 @@ def main() -> None:
     default = sys.getswitchinterval()
     quiet = {name: _time(fn, args.calls) for name, fn in calls.items()}
     print(f"page {page.numel() * 4 / 2**20:.1f} MiB, {args.calls} calls each; I/O thread on CPU {io_cpu}, "
-          f"engine thread on CPU {engine_cpu}; default switch interval {default * 1e3:.1f} ms")
+          f"{args.engine} engine thread on CPU {engine_cpu}; default switch interval {default * 1e3:.1f} ms")
     print(f"{'':>22}" + "".join(f"{name + ' ms':>12}{'x quiet':>9}" for name in calls) + f"{'engine loops/s':>16}")
     print(f"{'quiet':>22}" + "".join(f"{quiet[name] * 1e3:>12.2f}{1.0:>9.2f}" for name in calls) + f"{'-':>16}")
-    engine = _Engine(engine_cpu)
+    engine = _Engine(engine_cpu, args.engine)
     try:
         for ms in (float(v) for v in args.intervals.split(",")):
             sys.setswitchinterval(ms / 1e3)
