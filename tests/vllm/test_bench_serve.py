@@ -1,7 +1,7 @@
 """`hicache bench serve` end to end at a tiny size: `vllm serve` alone and with hicache, over HTTP.
 
-Two servers are started one after the other (about a minute each here); streaming clients run a
-small multi-turn trace against each. Checked: greedy outputs identical, the round-1 prompts served
+Two servers are booted side by side (the default ``--boot together``), then streaming clients run
+a small multi-turn trace against each in turn, the other idle or stopped. Checked: greedy outputs identical, the round-1 prompts served
 from the cache (vLLM's prefix cache or hicache's tiers), TTFT and ITL measured at the client, the
 hit rate split by tier from the connector's per-request records, each server's Prometheus scrape
 written (hicache's families on vLLM's /metrics and on the worker's own endpoint), the step profile.
@@ -35,6 +35,8 @@ def test_bench_serve_drives_vllm_serve_over_http_and_reports_the_figures(tmp_pat
     w = report["workloads"]["multiturn"]
     alone, cached = w["summary"]["vllm"], w["summary"]["vllm+hicache"]
     assert alone["requests"] == cached["requests"] == 4
+    boots = {c: w["configurations"][c]["boot_together_s"] for c in ("vllm", "vllm+hicache")}
+    assert boots["vllm"] == boots["vllm+hicache"] > 0  # one boot for both
     assert cached["outputs_differ_from_vllm"] == 0
     # A round-1 prompt (304 tokens) starts with its round-0 prompt, whose first block was computed.
     assert cached["per_round"][1]["hit_rate"] >= 128 / 304

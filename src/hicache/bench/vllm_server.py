@@ -274,8 +274,8 @@ class ServerSet:
                 for server in self.servers:
                     server.wait_ready()
             else:
-                for server in self.servers:
-                    started.append(server.start())
+                for server in self.servers:  # one launched beforehand (booted beside others) is waited for
+                    started.append(server.wait_ready() if server.proc is not None else server.start())
             if self.proxy is not None:
                 self.proxy.start()
         except BaseException:
