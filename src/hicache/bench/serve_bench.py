@@ -202,8 +202,9 @@ def _driver_settings(args: argparse.Namespace, name: str) -> DriverSettings:
 def _boot_together(servers: dict[str, VllmServer], stack: ExitStack) -> float:
     """Launch every configuration's server at once and wait until all answer (seconds taken).
 
-    Booting is mostly one core's work a server (imports, weights, KV allocation), so side by side
-    on two cores they are up in about half the time of one after the other. The servers not yet
+    Booting is partly one core's work a server (imports, weights, KV allocation), so side by side
+    on two cores they are up sooner than one after the other (here three in 104-105 s, one alone
+    in 42 s). The servers not yet
     driven wait idle while another is measured: an idle ``vllm serve`` used 0.36 CPU-seconds in 20 s
     here (1.8% of a core), and its KV memory is its own."""
     began = time.monotonic()
