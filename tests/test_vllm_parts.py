@@ -19,7 +19,7 @@ from hicache import ConfigError, UnsupportedModelError, load_config
 from hicache.integrations.vllm.channel import ChannelClient, encode, pack_tokens, socket_path, unpack_tokens
 from hicache.integrations.vllm.export import decode
 from hicache.integrations.vllm.export import encode as encode_families
-from hicache.integrations.vllm.gil import DEFAULT_SWITCH_INTERVAL_S, shorten_switch_interval
+from hicache.integrations.vllm.gil import DEFAULT_SWITCH_INTERVAL_S, shortened_switch_interval
 from hicache.integrations.vllm.layout import BlockLayout, copy_all
 from hicache.integrations.vllm.service import CacheService
 from hicache.integrations.vllm.settings import cache_config_for, connector_options, weights_fingerprint
@@ -167,15 +167,20 @@ def test_the_connectors_own_extra_keys_are_checked() -> None:
             connector_options(bad)
 
 
-def test_the_switch_interval_is_shortened_never_lengthened() -> None:
+def test_the_switch_interval_is_shortened_never_lengthened_and_given_back() -> None:
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        assert shorten_switch_interval(0.0005) == pytest.approx(0.0005)
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
-        assert shorten_switch_interval(0.002) == pytest.approx(0.0005)  # someone set it shorter: kept
-        assert shorten_switch_interval(None) == pytest.approx(0.0005)
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        with shortened_switch_interval(0.0005) as ours:
+            assert ours == pytest.approx(0.0005) and sys.getswitchinterval() == pytest.approx(0.0005)
+            with shortened_switch_interval(0.002) as inner:  # longer than the one in force: left
+                assert inner == pytest.approx(0.0005)
+            with shortened_switch_interval(None):
+                assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.005)  # the cache closed: the old one is back
+        with shortened_switch_interval(0.0005):
+            sys.setswitchinterval(0.0001)  # someone else changed it meanwhile: theirs is kept
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
     finally:
         sys.setswitchinterval(before)
 

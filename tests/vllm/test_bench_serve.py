@@ -37,6 +37,9 @@ def test_bench_serve_drives_vllm_serve_over_http_and_reports_the_figures(tmp_pat
     assert alone["requests"] == cached["requests"] == 4
     boots = {c: w["configurations"][c]["boot_together_s"] for c in ("vllm", "vllm+hicache")}
     assert boots["vllm"] == boots["vllm+hicache"] > 0  # one boot for both
+    # Each server's own start time is its boot's, not the wait for its turn after it.
+    starts = [next(iter(w["configurations"][c]["servers"].values()))["start_s"] for c in ("vllm", "vllm+hicache")]
+    assert all(0 < s <= boots["vllm"] + 1 for s in starts), (starts, boots)
     assert cached["outputs_differ_from_vllm"] == 0
     # A round-1 prompt (304 tokens) starts with its round-0 prompt, whose first block was computed.
     assert cached["per_round"][1]["hit_rate"] >= 128 / 304

@@ -28,7 +28,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from ...config import HiCacheConfig
 from ...errors import HiCacheError
 from .cpus import reserved_cpus, use_cpus
-from .gil import shorten_switch_interval
+from .gil import shortened_switch_interval
 from .layout import BlockLayout, CopyRun, copy_all
 from .metadata import HiCacheMetadata, LoadSpec
 from .service import CacheService, StepLeases
@@ -91,7 +91,7 @@ class WorkerSide:
             self.layout.check_layer(name, kv)
             self.layers[name] = (extract_layer_index(name), self.layout.blocks_view(kv))
         try:
-            shorten_switch_interval(self.options.gil_switch_interval_s)
+            self._exit.enter_context(shortened_switch_interval(self.options.gil_switch_interval_s))
             self.portal = self._exit.enter_context(start_blocking_portal())
             cpus = reserved_cpus()
             if cpus is not None:  # before the cache starts: its I/O threads inherit the loop thread's CPUs
