@@ -182,6 +182,10 @@ def _storage(stats: dict[str, Any] | None) -> dict[str, Any]:
     return (((stats or {}).get("cache") or {}).get("storage") or {}).get("shared") or {}
 
 
+def _cache_count(stats: dict[str, Any] | None, key: str) -> float:
+    return float(((stats or {}).get("cache") or {}).get(key) or 0)
+
+
 def _backend(stats: dict[str, Any] | None, key: str, verb: str | None = None) -> float:
     b = _storage(stats).get("backend") or {}
     return float((b.get(key) or {}).get(verb, 0.0)) if verb else float(b.get(key) or 0.0)
@@ -225,6 +229,8 @@ def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, 
         "refused": int(delta(c0, c1, "pd_receives_refused")),
         "rereads": int(delta(c0, c1, "pd_receive_retries")),
         "send_failures": int(delta(s0, s1, "pd_send_failures")),
+        # Pages the prefill server's cache could not place (no room): not handed off, recomputed.
+        "producer_dropped_pages": int(_cache_count(p1, "dropped_pages") - _cache_count(p0, "dropped_pages")),
         "handed_bytes_per_request": delta(c0, c1, "pd_received_tokens") * token_bytes / n,
         "written_bytes_per_request": written / n,
         "read_bytes_per_request": read / n,
@@ -266,6 +272,14 @@ def _sizes(args: argparse.Namespace, workloads: dict[str, MultiTurn | LongContex
     per = [serve_sizes(args, w, token_bytes) for w in workloads.values()]
     out = {k: max(s[k] for s in per) for k in per[0]}
     out["max_model_len"] = math.ceil(max(longest_context(w) for w in workloads.values()) / args.block_size) * args.block_size
+    # A prefill server's host holds two running batches at once: the prompts being saved (reserved)
+    # and those of the hand-offs still being made durable (pinned until the shared tier holds
+    # them). With room for one, a store finds every page pinned and drops what does not fit
+    # (counted: ``dropped_pages``), and the decode server recomputes it.
+    bs = args.block_size
+    page_bytes = out["host_bytes"] // (out["host_tokens"] // bs)
+    host_pages = max(out["host_tokens"] // bs, 2 * out["running"] * out["max_model_len"] // bs + 1)
+    out["host_tokens"], out["host_bytes"] = host_pages * bs, host_pages * page_bytes
     return out
 
 
@@ -419,7 +433,7 @@ def format_workload(w: dict[str, Any]) -> str:
     lines = [f"== {w['workload']} (ms; TTFT and ITL at the client) ==", _grid(rows), ""]
     moves = [["hand-off (per request)", "MB handed", "MB written", "MB read", "write ms", "read ms", "copy ms",
               "total ms", "raw ms", "x raw", "raw loaded ms", "x raw loaded", "send ms", "receive ms", "failed",
-              "refused", "rereads"]]
+              "refused", "rereads", "dropped"]]
     for name, s in w["summary"].items():
         t = s.get("transfer")
         if t is None:
@@ -431,7 +445,7 @@ def format_workload(w: dict[str, Any]) -> str:
                       _ms(t.get("raw_loaded_s_per_request", math.nan)), f"{t.get('transfer_vs_raw_loaded', math.nan):.2f}",
                       _ms(t["send_latency_s"]),
                       _ms(t["receive_wait_s"]), str(t["received_failures"]), str(t["refused"]),
-                      str(t.get("rereads", 0))])
+                      str(t.get("rereads", 0)), str(t.get("producer_dropped_pages", 0))])
     if len(moves) > 1:
         lines += [_grid(moves), ""]
     for key, t in w["targets"].items():
