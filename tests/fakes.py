@@ -1,5 +1,5 @@
 """Fault-injecting fakes, named as such: io backends that stall or fail, storage backends that fail,
-stall, crawl or fail every other write, and slowed wrappers around the real ones (pressure suite). Storage fakes are configured by class path, e.g.
+stall, crawl, fail every other write or refuse pages, and slowed wrappers around the real ones (pressure suite). Storage fakes are configured by class path, e.g.
 ``{"kind": "tests.fakes:SlowStorageBackend", "delay_s": 0.1}``."""
 
 from __future__ import annotations
@@ -205,6 +205,34 @@ class FailingFirstCallsStorageBackend(DelayingStorageBackend):
         if self.get_calls <= self.settings.read_failures:
             raise TimeoutError("transfer timed out (injected)")
         return await super()._get(keys, into)
+
+
+class PageRefusingStorageBackend(DelayingStorageBackend):
+    """Fault fake: a real backend (``inner``) that stores the first ``accept_pages`` pages of KV it is
+    given and then refuses every other (a store out of room for them), while small objects (a
+    header and no payload: a hand-off's gave-up marker) are always stored."""
+
+    kind = "page-refusing"
+
+    class Settings(DelayingStorageBackend.Settings):
+        delay_s: float = 0.0
+        accept_pages: int = 0
+
+    settings: Settings
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.accepted = 0
+
+    async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        if any(io.payload_bytes for io in pages):
+            room = self.settings.accept_pages - self.accepted
+            if room <= 0:
+                raise OSError("no room for pages (injected)")
+            done = await super()._set(keys[:room], pages[:room])
+            self.accepted += done
+            return done
+        return await super()._set(keys, pages)
 
 
 class SlowIOBackend(KernelIOBackend):

@@ -125,6 +125,17 @@ async def test_exists_counts_consecutive_keys_from_the_start(backend_factory: Ba
         assert await b.exists([]) == 0
 
 
+async def test_a_header_only_object_is_stored_seen_and_deleted(backend_factory: BackendFactory) -> None:
+    """What a hand-off's gave-up marker is (``StorageTier.mark``): a header and no payload, whose
+    presence alone is the message."""
+    async with opened(backend_factory) as b:
+        marker = PageIO.of(bytes(range(HEADER_BYTES)))
+        assert await b.set([key(7)], [marker]) == 1
+        assert await b.exists([key(7)]) == 1
+        await b.delete([key(7)])
+        assert await b.exists([key(7)]) == 0
+
+
 async def test_get_stops_at_the_first_missing_page(backend_factory: BackendFactory) -> None:
     async with opened(backend_factory) as b:
         await b.set([key(0), key(2)], [page(0), page(2)])

@@ -7,7 +7,7 @@ around this (blocks, ``WAITING_FOR_REMOTE_KVS``) is tested with two ``vllm serve
 ``tests/vllm/test_vllm_pd.py``; here every outcome that does not need vLLM: the pages arrive bit
 for bit, a consumer of another namespace is refused (and gets nothing even with a forged check),
 a flushed tier, a failing or stalled producer and an aborted request all end within their bounds,
-counted, never as an error.
+counted, never as an error, and a producer that gives up says so, so its consumer stops waiting.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from anyio.from_thread import start_blocking_portal
 
 from hicache import load_config
 from hicache.integrations.vllm.channel import ChannelClient, socket_path
-from hicache.integrations.vllm.handoff import page_check
+from hicache.integrations.vllm.handoff import notice_key, page_check
 from hicache.integrations.vllm.service import CacheService
 from hicache.integrations.vllm.settings import ConnectorOptions, PDOptions
+from hicache.tiers.storage.page_format import HEADER_BYTES
 
 from .conftest import make_kv, make_tokens
 
@@ -254,3 +255,46 @@ def test_a_flushed_tier_a_failing_or_stalled_producer_and_an_aborted_request_end
             assert _wait(lambda: producer.handoffs.take({"r1"})[0]) == {"r1"}  # reported, so vLLM frees the blocks
             assert time.monotonic() - started < bound
             assert producer.counters.pd_send_failures == 1 and producer.counters.pd_sends == 0
+
+
+def test_a_producer_that_gives_up_says_so_and_its_consumer_stops_waiting_with_what_arrived(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    folder = tmp_path / "shared"
+    # The producer's store takes two pages of the prompt, then refuses the rest (out of room).
+    refusing = [{"kind": "tests.fakes:PageRefusingStorageBackend", "name": "shared", "accept_pages": 2,
+                 "inner": {"kind": "file", "path": str(folder)}}]
+    shared = [{"kind": "file", "path": str(folder), "name": "shared"}]
+    tokens = make_tokens(4 * PS + 1)
+    cfg = _config(refusing)
+    kv = make_kv(cfg, 4 * PS)
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(CacheService(cfg, socket_path("p"), _options(send_s=1.0))) as producer, \
+                portal.wrap_async_context_manager(
+                    CacheService(_config(shared), socket_path("d"), _options(receive_s=30.0))) as consumer:
+            portal.call(producer.cache.store, tokens[: 4 * PS], kv)
+            started = time.monotonic()
+            handed = portal.call(producer.handoffs.handoff, "r1", tokens[: 4 * PS], "h-1")
+            assert handed["tokens"] == 4 * PS
+            assert portal.call(consumer.handoffs.expect, "r1", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0, "h-1")
+            copied = Copied()
+            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            (outcome,) = _received(consumer)
+            # Far inside its 30 s bound: the producer's send bound (1 s), then at most a notice poll.
+            assert time.monotonic() - started < 5
+            assert outcome.from_page == 2 and sorted(copied.pages) == [0, 1]  # what arrived is used, bit for bit
+            for page, layers in copied.pages.items():
+                for got, want in zip(layers, _page_kv(kv, page)):
+                    assert torch.equal(got, want)
+            p, c = producer.counters, consumer.counters
+            assert (p.pd_send_failures, p.pd_gave_up_notices) == (1, 1)
+            assert (c.pd_receives_given_up, c.pd_receive_failures, c.pd_received_tokens) == (1, 1, 2 * PS)
+            # The marker was read once and removed: the folder holds the two pages and nothing else.
+            assert sorted(f.stat().st_size > HEADER_BYTES for f in folder.rglob("*.kv")) == [True, True]
+            # Another hand-off id names another marker: a later hand-off of the same prompt is not cut short.
+            seed = consumer.cache.controller.tree.seed
+            assert notice_key(seed, tokens[: 4 * PS], PS, "h-1") != notice_key(seed, tokens[: 4 * PS], PS, "h-2")
+            # Another tenant cannot name (or forge) this namespace's marker.
+            assert notice_key(seed, tokens[: 4 * PS], PS, "h-1") != notice_key(
+                seed[::-1], tokens[: 4 * PS], PS, "h-1")

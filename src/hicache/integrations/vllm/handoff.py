@@ -9,6 +9,10 @@ starts making them durable in the shared tier (``HiCache.persist``; a write the 
 tried again, backing off, until shortly before the bound). The scheduler returns those
 in ``kv_transfer_params`` and keeps the request's blocks; the request is reported finished-sending
 (vLLM frees them) when the tier holds the pages, or after ``send_timeout_s``, counted as failed.
+A producer that gives up (the bound passed, the tier refused the pages, the host had no room for
+them) says so: it stores a marker in the shared tier (``notice_key``: the hand-off's id, which the
+scheduler chose and the parameters carry, over the last page's key, so only this namespace's
+consumer of this hand-off can name it), and the consumer stops waiting for pages that will not come.
 The blocks are not read after the request's last step (its pages were copied into host pages
 during the forward): holding them is what bounds the memory of hand-offs still in flight.
 
@@ -17,7 +21,8 @@ lookup carries them (``expect``): the worker compares the check with its own for
 (a consumer of other weights, another tenant or another page size differs and is refused at once,
 counted: vLLM computes the prompt), then watches for the pages while the request waits, asking
 the cache (a lookup with prefetch: storage pages come up into the host tier as they appear) until
-they are all there or ``receive_timeout_s`` has passed. Once vLLM has given the request blocks
+they are all there, the producer's marker says it gave up (what the tier holds then is all that
+comes: counted, ``pd_receives_given_up``), or ``receive_timeout_s`` has passed. Once vLLM has given the request blocks
 (``begin``, from the step's metadata), the pages are held where they lie and copied into those
 blocks in a cache thread, off vLLM's thread, and the request is reported received; pages the
 tier listed but whose read came up short (a transfer that failed or timed out) are read again
@@ -61,8 +66,10 @@ log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers pri
 
 _POLL_S = (0.002, 0.004, 0.008, 0.016, 0.032, 0.05)  # how often a consumer asks again while pages are on their way
 _REREAD_S = (0.05, 0.1, 0.2, 0.5)  # the pause before a consumer reads again pages whose read came up short
-_COMMIT_WAIT_S = 2.0
-_FORGOTTEN = 10_000  # how long a hand-off waits for the steps vLLM ended before it
+_COMMIT_WAIT_S = 2.0  # how long a hand-off waits for the steps vLLM ended before it
+_FORGOTTEN = 10_000  # finished requests remembered, in case their blocks come after
+_NOTICE_EVERY_S = 0.1  # how often a waiting consumer asks the tier for its producer's gave-up marker
+_NOTICE_BOUND_S = 1.0  # the most a producer spends storing that marker
 
 #: ``copy_in(block_ids, first_page, segments)``: copy held pages (``[(tier, pages)]``, from token
 #: page ``first_page`` on) into the request's vLLM blocks, every layer (run in a cache thread).
@@ -88,6 +95,8 @@ class _Receive:
     copying: anyio.CancelScope = dataclasses.field(default_factory=anyio.CancelScope)
     spec: ReceiveSpec | None = None
     cancelled: bool = False
+    notice: bytes | None = None  # the producer's gave-up marker, where its hand-off named one
+    limit_page: int | None = None  # the producer gave up: pages past this will not come
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -102,6 +111,16 @@ def page_check(seed: bytes, tokens: list[int], page_size: int) -> str:
     if not keys:
         return ""
     return hashlib.blake2b(keys[-1], digest_size=16, person=b"hicache-pd-check").hexdigest()
+
+
+def notice_key(seed: bytes, tokens: list[int], page_size: int, handoff_id: str) -> bytes | None:
+    """The page-key-like name of a hand-off's gave-up marker: its id over the last full page's key
+    (secret to the namespace and tenant, as every page key is), so another tenant can neither
+    name nor forge it, and two hand-offs of the same prompt have their own."""
+    keys = chain_keys(seed, as_token_bytes(tokens), page_size)
+    if not keys or not handoff_id:
+        return None
+    return hashlib.blake2b(keys[-1] + handoff_id.encode(), digest_size=16, person=b"hicache-pd-quit").digest()
 
 
 class HandoffHost(Protocol):
@@ -145,11 +164,25 @@ class Handoffs:
         cache = self._cache
         return page_check(cache.controller.tree.seed, tokens, cache.page_size)
 
+    def _notice_key(self, tokens: list[int], handoff_id: Any) -> bytes | None:
+        if not isinstance(handoff_id, str) or not 0 < len(handoff_id) <= 64:
+            return None
+        cache = self._cache
+        return notice_key(cache.controller.tree.seed, tokens, cache.page_size, handoff_id)
+
+    def _shared_tier(self) -> Any:
+        """The storage tier hand-offs cross (``pd.tier``, else the first that takes writes); None if none."""
+        try:
+            return self._cache._storage_tier(self.options.tier)
+        except HiCacheError:
+            return None
+
     # -- producer -------------------------------------------------------------------------------
 
-    async def handoff(self, req_id: str, tokens: list[int]) -> dict[str, Any]:
+    async def handoff(self, req_id: str, tokens: list[int], handoff_id: str | None = None) -> dict[str, Any]:
         """A finished prefill: the tokens hicache holds of ``tokens`` (whole pages), and their check;
-        making them durable in the shared tier starts now (reported sent when done)."""
+        making them durable in the shared tier starts now (reported sent when done). ``handoff_id``:
+        the name of the marker left if that fails (the scheduler passes it to the consumer)."""
         cache = self._cache
         ps = cache.page_size
         await self.service.wait_for_ended_steps(_COMMIT_WAIT_S)
@@ -161,10 +194,10 @@ class Handoffs:
         with self._lock:
             self._sending.add(req_id)
         self._sends += 1
-        self.service.spawn(self._send, req_id, tokens[:n])
+        self.service.spawn(self._send, req_id, tokens[:n], self._notice_key(tokens[:n], handoff_id))
         return {"tokens": n, "check": self._check(tokens[:n])}
 
-    async def _send(self, req_id: str, tokens: list[int]) -> None:
+    async def _send(self, req_id: str, tokens: list[int], notice: bytes | None) -> None:
         c = self.service.counters
         started = time.perf_counter()
         durable = 0
@@ -191,12 +224,30 @@ class Handoffs:
                 self._sending.discard(req_id)
                 self._sent.add(req_id)
             self._ready.set()
+            if durable < len(tokens) and notice is not None:
+                # Shielded and bounded: a producer that gives up because it is closing says so too.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_NOTICE_BOUND_S):
+                    await self._tell_gave_up(req_id, notice)
+
+    async def _tell_gave_up(self, req_id: str, notice: bytes) -> None:
+        tier = self._shared_tier()
+        try:
+            told = tier is not None and await tier.mark(notice)
+        except HiCacheError:
+            told = False
+        if told:
+            self.service.counters.pd_gave_up_notices += 1
+        else:
+            log.info("hicache: %s: could not leave the gave-up marker; the decode side waits its receive_timeout_s",
+                     req_id)
 
     # -- consumer -------------------------------------------------------------------------------
 
-    def expect(self, req_id: str, tokens: list[int], receive_tokens: int, checks: Any, rank: int) -> bool:
+    def expect(self, req_id: str, tokens: list[int], receive_tokens: int, checks: Any, rank: int,
+               handoff_id: Any = None) -> bool:
         """A queued request that a producer prefilled: accept it (its check matches ours) and watch
-        for its first ``receive_tokens`` tokens, or refuse it (counted)."""
+        for its first ``receive_tokens`` tokens, or refuse it (counted). ``handoff_id``: where the
+        producer leaves word that it gave up (older producers send none: the bound alone ends it)."""
         c = self.service.counters
         mine = self._check(tokens)
         theirs = checks[rank] if isinstance(checks, list) and 0 <= rank < len(checks) else None
@@ -208,16 +259,19 @@ class Handoffs:
             return False
         self._end(req_id)  # a request id seen again (a retry): start over
         rec = _Receive(req_id, tokens[:receive_tokens], anyio.current_time() + self.options.receive_timeout_s,
-                       time.perf_counter())
+                       time.perf_counter(), notice=self._notice_key(tokens, handoff_id))
         self._receives[req_id] = rec
         self.service.spawn(self._await_arrival, rec)
         return True
 
     async def _await_arrival(self, rec: _Receive) -> None:
         """Ask the cache until the pages are all in memory or in a storage tier (a lookup with
-        prefetch brings them up), or the receive's time is up."""
+        prefetch brings them up), the producer's marker says no more will come, or the receive's
+        time is up."""
         cache = self._cache
         want = len(rec.tokens)
+        tier = self._shared_tier() if rec.notice is not None else None
+        next_notice = anyio.current_time() + _NOTICE_EVERY_S
         i = 0
         try:
             with rec.watching:
@@ -226,12 +280,29 @@ class Handoffs:
                         hit = await cache.lookup(rec.tokens, prefetch=True)
                         if hit.tokens >= want:
                             return
+                        if tier is not None and anyio.current_time() >= next_notice:
+                            next_notice = anyio.current_time() + _NOTICE_EVERY_S
+                            if await tier.exists([rec.notice]):
+                                await self._given_up(rec, tier, rec.notice)
+                                return
                         await anyio.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
                         i += 1
         except HiCacheError as exc:
             log.warning("hicache: waiting for the KV of %s failed: %r", rec.req_id, exc)
         finally:
             rec.arrived.set()
+
+    async def _given_up(self, rec: _Receive, tier: Any, notice: bytes) -> None:
+        """The producer gave up: what the tiers hold now is all that comes (its marker is stored
+        after its last write), and the receive copies that much."""
+        hit = await self._cache.lookup(rec.tokens, prefetch=True)
+        await tier.unmark(notice)
+        if hit.tokens >= len(rec.tokens):
+            return  # they all came after all
+        rec.limit_page = hit.tokens // self._cache.page_size
+        self.service.counters.pd_receives_given_up += 1
+        log.info("hicache: %s: the prefill server gave up its hand-off; %d of %d tokens arrived, vLLM recomputes "
+                 "the rest", rec.req_id, hit.tokens, len(rec.tokens))
 
     def begin(self, spec: ReceiveSpec, copy_in: CopyIn) -> None:
         """vLLM gave the request its blocks (the step's metadata): copy the pages in when they are here."""
@@ -266,9 +337,10 @@ class Handoffs:
                     await rec.arrived.wait()
                 async with AsyncExitStack() as stack:
                     with anyio.move_on_at(max(rec.deadline, anyio.current_time() + 0.5)):
-                        while pos < spec.end_page and not rec.cancelled:
+                        end = spec.end_page if rec.limit_page is None else min(spec.end_page, rec.limit_page)
+                        while pos < end and not rec.cancelled:
                             held = await stack.enter_async_context(cache.hold(spec.tokens, start=pos * ps))
-                            got = min(held.tokens // ps, spec.end_page)
+                            got = min(held.tokens // ps, end)
                             if got <= pos:
                                 # Seen in storage but not read into memory: the read failed or
                                 # was cut (a store's transfer timed out, the host had no room).

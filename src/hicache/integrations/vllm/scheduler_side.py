@@ -26,7 +26,8 @@ Prefill/decode (``handoff.py`` has the worker's half; ``Roles`` what each ``kv_r
   worker answers how many tokens it holds and their check, and starts making them durable; the
   scheduler keeps the request's blocks (``delay_free_blocks``) until the worker reports it sent,
   and returns ``kv_transfer_params`` (``do_remote_prefill`` and a ``hicache`` section: tokens,
-  checks per rank, page size) for the proxy to pass to a decode server.
+  checks per rank, page size, and a fresh hand-off id that names the marker the worker leaves
+  in the shared tier if the send fails) for the proxy to pass to a decode server.
 * **Consumer**: a request that carries those parameters has its queued lookup carry them too
   (``expect``); once the worker accepts them, ``get_num_new_matched_tokens`` answers the
   promised whole blocks beyond vLLM's own hit as an asynchronous load ``(n, True)``: vLLM gives
@@ -43,6 +44,7 @@ worker, which exports it with its own metrics.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +85,9 @@ def handoff_params(request: Any) -> dict[str, Any] | None:
         return None
     if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
         return None
+    handoff_id = ours.get("id")
+    if handoff_id is not None and (not isinstance(handoff_id, str) or not 0 < len(handoff_id) <= 64):
+        return {**ours, "id": None}  # malformed: no gave-up notice, the receive bound alone ends it
     return ours
 
 
@@ -169,7 +174,7 @@ class SchedulerSide:
         receive = min(promised, self._usable(request)) // self.block_size * self.block_size
         if receive <= 0 or promised > request.num_tokens:
             return False  # nothing whole to load, or not this prompt: computed here
-        _, reply = self._lookup(request, prefetch=True, expect={"tokens": receive, "checks": ours["checks"]},
+        _, reply = self._lookup(request, prefetch=True, expect={"tokens": receive, "checks": ours["checks"], "id": ours.get("id")},
                                 end=promised)
         if reply is None or not reply.get("expect"):
             return False
@@ -314,7 +319,8 @@ class SchedulerSide:
         end = (len(prompt) - 1) // ps * ps  # whole pages a decode server could load (one token left to compute)
         if end <= 0:
             return False, None
-        reply = self.client.call({"op": "handoff", "req": request.request_id, "tokens": prompt[:end]})
+        handoff_id = secrets.token_hex(8)  # names the marker left if the send fails (handoff.py)
+        reply = self.client.call({"op": "handoff", "req": request.request_id, "tokens": prompt[:end], "id": handoff_id})
         tokens = 0 if reply is None else int(reply.get("tokens", 0))
         if tokens <= 0:
             log.info("hicache: %s: nothing to hand off (the worker holds none of its pages, or did not answer)",
@@ -324,5 +330,5 @@ class SchedulerSide:
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "hicache": {"tokens": tokens, "checks": checks, "page_size": ps},
+            "hicache": {"tokens": tokens, "checks": checks, "page_size": ps, "id": handoff_id},
         }

@@ -82,10 +82,12 @@ class ConnectorCounters:
     pd_sends: int = 0  # prompts durable in the shared tier within send_timeout_s
     pd_sent_tokens: int = 0
     pd_send_failures: int = 0  # not (all) durable in time, or nothing to hand off: the decode side recomputes
+    pd_gave_up_notices: int = 0  # failed sends whose gave-up marker the shared tier stored (the consumer stops waiting)
     pd_send_s: float = 0.0  # seconds from the hand-off to durable (or given up), summed
     pd_receives: int = 0  # every promised page arrived and was copied into vLLM's blocks
     pd_received_tokens: int = 0
     pd_receive_failures: int = 0  # some pages did not arrive within receive_timeout_s (or the request ended)
+    pd_receives_given_up: int = 0  # the producer's marker said it gave up: what had arrived was copied, the rest computed
     pd_receives_refused: int = 0  # the producer's check is not this namespace's: computed here
     pd_receive_retries: int = 0  # reads of listed pages that came up short and were asked again
     pd_receive_wait_s: float = 0.0  # seconds from the queued request to its pages copied (or given up), summed
@@ -301,7 +303,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
                     ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
                     reply["expect"] = self.handoffs.expect(
                         str(message["req"]), ids, int(expect["tokens"]), expect.get("checks"),
-                        self.config.parallel.tp_rank,
+                        self.config.parallel.tp_rank, expect.get("id"),
                     )
                 return reply
             finally:
@@ -312,7 +314,9 @@ class CacheService(anyio.AsyncContextManagerMixin):
             self._take_profile(message.get("profile"))
             return {}
         if op == "handoff":
-            return await self.handoffs.handoff(str(message["req"]), message["tokens"])
+            handoff_id = message.get("id")
+            return await self.handoffs.handoff(str(message["req"]), message["tokens"],
+                                               handoff_id if isinstance(handoff_id, str) else None)
         if op == "stats":
             await self._settle_steps(_SETTLE_TIMEOUT_S)  # the steps vLLM has ended are counted
             return self.stats()

@@ -347,6 +347,28 @@ class StorageTier:
         self._succeeded()
         return found
 
+    # -- markers ------------------------------------------------------------------------------
+
+    async def mark(self, key: bytes) -> bool:
+        """Store a marker under ``key`` (a page-key-like 16 bytes, named as pages are): a
+        header-sized object whose presence is the whole message (a producer that gave up a
+        hand-off, ``integrations/vllm/handoff.py``). No lookup reads it; ``exists`` sees it.
+        False where the backend did not store it (counted as any failed write)."""
+        if not self._enter():
+            return False
+        try:
+            return await self._set(self.codec.storage_keys([key]), [PageIO.of(bytes(HEADER_BYTES))]) == 1
+        finally:
+            self._exit()
+
+    async def unmark(self, key: bytes) -> None:
+        """Remove the marker under ``key`` (nothing where there is none)."""
+        if self._enter():
+            try:
+                await self._drop(self.codec.storage_keys([key])[0])
+            finally:
+                self._exit()
+
     async def fetch(
         self,
         keys: Sequence[bytes],
