@@ -12,8 +12,8 @@ workload's servers boot side by side before the first is driven and wait idle fo
 
 vLLM's KV memory is sized as in production: it holds the running batch (``--max-running``
 requests at the workload's longest context) and ``--kv-fraction`` of the workload's KV, whichever
-is more, and with the defaults that is a quarter of the conversation history (or of the
-documents): all configurations queue alike, and what differs is the cache. Workloads, with the
+is more, and with the defaults that is the running batch: a third of the conversation history,
+and the documents 2.3x of it: all configurations queue alike, and what differs is the cache. Workloads, with the
 options of SGLang's benchmark scripts:
 
 * ``multiturn`` (``bench_multiturn.py``): ``--num-clients`` conversations of ``--num-rounds``
@@ -64,8 +64,8 @@ __all__ = ["CONFIGURATIONS", "WORKLOADS", "add_parser", "run_serve_benchmark", "
 CONFIGURATIONS = ("vllm", "vllm+hicache", "vllm-unbounded")
 WORKLOADS = ("multiturn", "long-context")
 
-MULTITURN = MultiTurn(clients=16, rounds=5, request_len=512, output_len=16)
-LONG_CONTEXT = LongContext(documents=12, document_len=1536, questions=8, question_len=64, output_len=16)
+MULTITURN = MultiTurn(clients=12, rounds=5, request_len=512, output_len=16)
+LONG_CONTEXT = LongContext(documents=10, document_len=1536, questions=8, question_len=64, output_len=16)
 
 
 def add_workload_arguments(p: Any, multiturn: MultiTurn, long_context: LongContext) -> None:
