@@ -71,6 +71,7 @@ class PD:
             "do_remote_decode": True, "do_remote_prefill": False}))
         params = answer["kv_transfer_params"]
         assert params["hicache"]["tokens"] == (len(prompt) - 1) // BLOCK * BLOCK
+        assert len(params["hicache"]["id"]) == 16  # names the marker left if the send fails (handoff.py)
         deadline = time.monotonic() + 30
         while self.stats(self.prefill)["pd_sends"] == sends:  # reported sent: durable in Valkey
             assert time.monotonic() < deadline, "the hand-off was not made durable"
