@@ -165,6 +165,7 @@ class Handoffs:
         return page_check(cache.controller.tree.seed, tokens, cache.page_size)
 
     def _notice_key(self, tokens: list[int], handoff_id: Any) -> bytes | None:
+        """The marker's name, or None for a missing or malformed id (the receive bound alone ends it)."""
         if not isinstance(handoff_id, str) or not 0 < len(handoff_id) <= 64:
             return None
         cache = self._cache
@@ -283,7 +284,7 @@ class Handoffs:
                         if tier is not None and anyio.current_time() >= next_notice:
                             next_notice = anyio.current_time() + _NOTICE_EVERY_S
                             if await tier.exists([rec.notice]):
-                                await self._given_up(rec, tier, rec.notice)
+                                await self._given_up(rec, tier)
                                 return
                         await anyio.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
                         i += 1
@@ -292,11 +293,12 @@ class Handoffs:
         finally:
             rec.arrived.set()
 
-    async def _given_up(self, rec: _Receive, tier: Any, notice: bytes) -> None:
+    async def _given_up(self, rec: _Receive, tier: Any) -> None:
         """The producer gave up: what the tiers hold now is all that comes (its marker is stored
         after its last write), and the receive copies that much."""
         hit = await self._cache.lookup(rec.tokens, prefetch=True)
-        await tier.unmark(notice)
+        assert rec.notice is not None
+        await tier.unmark(rec.notice)
         if hit.tokens >= len(rec.tokens):
             return  # they all came after all
         rec.limit_page = hit.tokens // self._cache.page_size
