@@ -235,6 +235,19 @@ class PageRefusingStorageBackend(DelayingStorageBackend):
         return await super()._set(keys, pages)
 
 
+class PageDelayingStorageBackend(DelayingStorageBackend):
+    """Fault fake: a real backend (``inner``) whose writes of KV pages take ``per_page_s`` a page (a
+    store slower than the hand-off), while small objects (a header and no payload: a hand-off's
+    markers and pulses) are written at once."""
+
+    kind = "page-delaying"
+
+    async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
+        if any(io.payload_bytes for io in pages):
+            await self._lag(len(keys))
+        return await self.inner._set(keys, pages)
+
+
 class SlowIOBackend(KernelIOBackend):
     """Fault fake: the real kernel io backend, but every copy also sleeps ``delay_s`` in its worker
     thread (a slow link between device and host), so backups, spills and load-backs stay in flight."""

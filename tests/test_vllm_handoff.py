@@ -7,7 +7,8 @@ around this (blocks, ``WAITING_FOR_REMOTE_KVS``) is tested with two ``vllm serve
 ``tests/vllm/test_vllm_pd.py``; here every outcome that does not need vLLM: the pages arrive bit
 for bit, a consumer of another namespace is refused (and gets nothing even with a forged check),
 a flushed tier, a failing or stalled producer and an aborted request all end within their bounds,
-counted, never as an error, and a producer that gives up says so, so its consumer stops waiting.
+counted, never as an error, and a producer that gives up says so, so its consumer stops waiting;
+one that cannot say so (killed) falls silent, and its consumer stops waiting all the same.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from anyio.from_thread import start_blocking_portal
 
 from hicache import load_config
 from hicache.integrations.vllm.channel import ChannelClient, socket_path
-from hicache.integrations.vllm.handoff import notice_key, page_check
+from hicache.integrations.vllm import handoff
+from hicache.integrations.vllm.handoff import notice_key, page_check, pulse_key
 from hicache.integrations.vllm.service import CacheService
 from hicache.integrations.vllm.settings import ConnectorOptions, PDOptions
 from hicache.tiers.storage.page_format import HEADER_BYTES
@@ -298,3 +300,69 @@ def test_a_producer_that_gives_up_says_so_and_its_consumer_stops_waiting_with_wh
             # Another tenant cannot name (or forge) this namespace's marker.
             assert notice_key(seed, tokens[: 4 * PS], PS, "h-1") != notice_key(
                 seed[::-1], tokens[: 4 * PS], PS, "h-1")
+
+
+def test_a_slow_producer_keeps_its_consumer_waiting_with_its_pulse_and_a_silent_one_is_given_up_early(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer that cannot leave the gave-up marker (killed) falls silent: its consumer stops
+    waiting after ``SILENT_BEATS`` pulse periods, far inside its bound; one whose send is slow but
+    alive keeps pulsing, and its consumer waits for every page."""
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(handoff, "PULSE_S", 0.2)  # the producer's period, which its reply advertises
+    folder = tmp_path / "shared"
+    # Writing the prompt's pages takes 2 s (0.5 s a page); markers and pulses go through at once.
+    slow = [{"kind": "tests.fakes:PageDelayingStorageBackend", "name": "shared", "per_page_s": 0.5,
+             "inner": {"kind": "file", "path": str(folder)}}]
+    shared = [{"kind": "file", "path": str(folder), "name": "shared"}]
+    tokens = make_tokens(4 * PS + 1)
+    cfg = _config(slow)
+    kv = make_kv(cfg, 4 * PS)
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(CacheService(cfg, socket_path("p"), _options(send_s=20.0))) as producer, \
+                portal.wrap_async_context_manager(
+                    CacheService(_config(shared), socket_path("d"), _options(receive_s=30.0))) as consumer:
+            portal.call(producer.cache.store, tokens[: 4 * PS], kv)
+            started = time.monotonic()
+            handed = portal.call(producer.handoffs.handoff, "r1", tokens[: 4 * PS], "h-1")
+            assert handed["tokens"] == 4 * PS and handed["pulse_s"] == 0.2
+            assert portal.call(consumer.handoffs.expect, "r1", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0,
+                               "h-1", handed["pulse_s"])
+            copied = Copied()
+            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            (outcome,) = _received(consumer)
+            # Three silent periods are 0.6 s; the send takes 2 s: only the pulse kept the consumer waiting.
+            assert time.monotonic() - started > 1.5
+            assert outcome.from_page == 4 and sorted(copied.pages) == [0, 1, 2, 3]
+            for page, layers in copied.pages.items():
+                for got, want in zip(layers, _page_kv(kv, page)):
+                    assert torch.equal(got, want)
+            assert consumer.counters.pd_receives == 1 and consumer.counters.pd_receives_producer_silent == 0
+            _wait(lambda: producer.handoffs.take({"r1"})[0])
+            assert producer.counters.pd_sends == 1
+            # The send over, its pulses are removed: the folder holds the four pages and nothing else.
+            _wait(lambda: sorted(f.stat().st_size > HEADER_BYTES for f in folder.rglob("*.kv")) == [True] * 4)
+
+            # A producer killed after it answered (its response reached the decode server), with two
+            # of four pages of another prompt written: no marker, no pulse. Its consumer copies
+            # what arrived and stops waiting after the silent periods, not after its 30 s bound.
+            other = make_tokens(4 * PS + 1, seed=7)
+            portal.call(producer.cache.store, other[: 2 * PS], make_kv(cfg, 2 * PS))
+            portal.call(producer.cache.persist, other[: 2 * PS])
+            check = page_check(consumer.cache.controller.tree.seed, other[: 4 * PS], PS)
+            started = time.monotonic()
+            assert portal.call(consumer.handoffs.expect, "r2", other[: 4 * PS], 4 * PS, [check], 0, "h-2", 0.2)
+            copied = Copied()
+            portal.call(consumer.begin_receives, [ReceiveSpec("r2", other[: 4 * PS], 0, 4, list(range(4)))], copied)
+            (outcome,) = _received(consumer)
+            waited = time.monotonic() - started
+            assert 0.6 < waited < 5, waited
+            assert outcome.from_page == 2 and sorted(copied.pages) == [0, 1]
+            c = consumer.counters
+            assert (c.pd_receives_producer_silent, c.pd_receives_given_up, c.pd_receive_failures) == (1, 0, 1)
+            # A pulse is named from the marker's name: another hand-off or tenant cannot name it.
+            seed = consumer.cache.controller.tree.seed
+            mark = notice_key(seed, other[: 4 * PS], PS, "h-2")
+            assert mark is not None
+            assert pulse_key(mark, 1) != pulse_key(mark, 2)
+            assert pulse_key(mark, 1) != pulse_key(notice_key(seed, other[: 4 * PS], PS, "h-3") or b"", 1)

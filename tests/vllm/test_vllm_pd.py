@@ -72,6 +72,7 @@ class PD:
         params = answer["kv_transfer_params"]
         assert params["hicache"]["tokens"] == (len(prompt) - 1) // BLOCK * BLOCK
         assert len(params["hicache"]["id"]) == 16  # names the marker left if the send fails (handoff.py)
+        assert params["hicache"]["pulse_s"] == 1.0  # the producer pulses while it sends; silence ends the wait
         deadline = time.monotonic() + 30
         while self.stats(self.prefill)["pd_sends"] == sends:  # reported sent: durable in Valkey
             assert time.monotonic() < deadline, "the hand-off was not made durable"

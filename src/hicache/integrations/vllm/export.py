@@ -60,6 +60,7 @@ CONNECTOR_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "vllm_pd_received_tokens": ("counter", (), "Tokens received from prefill servers"),
     "vllm_pd_receive_failures": ("counter", (), "Receives that came up short within receive_timeout_s (vLLM recomputed)"),
     "vllm_pd_receives_given_up": ("counter", (), "Receives ended early: the prefill server said it gave up"),
+    "vllm_pd_receives_producer_silent": ("counter", (), "Receives ended early: the prefill server's pulse stopped"),
     "vllm_pd_receives_refused": ("counter", (), "Hand-offs of another namespace (weights, tenant, page size): computed here"),
     "vllm_pd_receive_retries": ("counter", (), "Reads of a hand-off's listed pages that came up short and were asked again"),
     "vllm_pd_receive_wait_seconds": ("counter", (), "Seconds from a queued request to its hand-off copied in, summed"),
@@ -102,7 +103,8 @@ def connector_families(service: ConnectorState, prefix: str = "hicache") -> list
     if cpu is not None:
         add("vllm_loop_cpu_seconds", cpu)
     for name in ("sends", "sent_tokens", "send_failures", "gave_up_notices", "receives", "received_tokens",
-                 "receive_failures", "receives_given_up", "receives_refused", "receive_retries"):
+                 "receive_failures", "receives_given_up", "receives_producer_silent", "receives_refused",
+                 "receive_retries"):
         add(f"vllm_pd_{name}", getattr(c, f"pd_{name}"))
     add("vllm_pd_send_seconds", c.pd_send_s)
     add("vllm_pd_receive_wait_seconds", c.pd_receive_wait_s)

@@ -13,6 +13,12 @@ A producer that gives up (the bound passed, the tier refused the pages, the host
 them) says so: it stores a marker in the shared tier (``notice_key``: the hand-off's id, which the
 scheduler chose and the parameters carry, over the last page's key, so only this namespace's
 consumer of this hand-off can name it), and the consumer stops waiting for pages that will not come.
+A producer that cannot say so (killed, or cut off from the tier) falls silent: while a send is in
+flight it leaves a pulse in the shared tier every ``PULSE_S`` (``pulse_key``: the marker's name and
+the beat's number), and a consumer that sees ``SILENT_BEATS`` periods pass without the pulse due
+stops waiting as if it had read the marker, long before its ``receive_timeout_s``. No clocks are
+compared: the consumer counts from when it accepted the request, which is after the hand-off
+began, so every pulse it asks for was due on the producer's side earlier still.
 The blocks are not read after the request's last step (its pages were copied into host pages
 during the forward): holding them is what bounds the memory of hand-offs still in flight.
 
@@ -60,7 +66,7 @@ if TYPE_CHECKING:
     from ...config import HiCacheConfig
     from .metadata import ReceiveSpec
 
-__all__ = ["Handoffs", "CopyIn", "ReceiveOutcome"]
+__all__ = ["Handoffs", "CopyIn", "ReceiveOutcome", "PULSE_S", "SILENT_BEATS"]
 
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
@@ -70,6 +76,9 @@ _COMMIT_WAIT_S = 2.0  # how long a hand-off waits for the steps vLLM ended befor
 _FORGOTTEN = 10_000  # finished requests remembered, in case their blocks come after
 _NOTICE_EVERY_S = 0.1  # how often a waiting consumer asks the tier for its producer's gave-up marker
 _NOTICE_BOUND_S = 1.0  # the most a producer spends storing that marker
+PULSE_S = 1.0  # how often a producer with a send in flight leaves a pulse in the shared tier
+SILENT_BEATS = 3  # pulse periods a consumer lets pass without the one due before it stops waiting
+_PULSE_RANGE_S = (0.01, 60.0)  # the pulse periods a consumer takes from a producer's parameters
 
 #: ``copy_in(block_ids, first_page, segments)``: copy held pages (``[(tier, pages)]``, from token
 #: page ``first_page`` on) into the request's vLLM blocks, every layer (run in a cache thread).
@@ -96,6 +105,7 @@ class _Receive:
     spec: ReceiveSpec | None = None
     cancelled: bool = False
     notice: bytes | None = None  # the producer's gave-up marker, where its hand-off named one
+    pulse_s: float | None = None  # the producer's pulse period, where it said it pulses
     limit_page: int | None = None  # the producer gave up: pages past this will not come
 
     def cancel(self) -> None:
@@ -121,6 +131,12 @@ def notice_key(seed: bytes, tokens: list[int], page_size: int, handoff_id: str) 
     if not keys or not handoff_id:
         return None
     return hashlib.blake2b(keys[-1] + handoff_id.encode(), digest_size=16, person=b"hicache-pd-quit").digest()
+
+
+def pulse_key(notice: bytes, beat: int) -> bytes:
+    """The name of a hand-off's ``beat``-th pulse (``beat`` >= 1): over its gave-up marker's name,
+    so as secret to the namespace, the tenant and the hand-off."""
+    return hashlib.blake2b(notice + beat.to_bytes(8, "big"), digest_size=16, person=b"hicache-pd-beat").digest()
 
 
 class HandoffHost(Protocol):
@@ -195,13 +211,23 @@ class Handoffs:
         with self._lock:
             self._sending.add(req_id)
         self._sends += 1
-        self.service.spawn(self._send, req_id, tokens[:n], self._notice_key(tokens[:n], handoff_id))
-        return {"tokens": n, "check": self._check(tokens[:n])}
+        notice = self._notice_key(tokens[:n], handoff_id)
+        self.service.spawn(self._send, req_id, tokens[:n], notice, anyio.current_time())
+        reply: dict[str, Any] = {"tokens": n, "check": self._check(tokens[:n])}
+        if notice is not None and self._shared_tier() is not None:
+            reply["pulse_s"] = PULSE_S  # the consumer may stop waiting when the pulses stop
+        return reply
 
-    async def _send(self, req_id: str, tokens: list[int], notice: bytes | None) -> None:
+    async def _send(self, req_id: str, tokens: list[int], notice: bytes | None, begun: float) -> None:
         c = self.service.counters
         started = time.perf_counter()
         durable = 0
+        beats: list[int] = []  # the pulses left (or being left) in the shared tier
+        stop, pulsed = anyio.Event(), anyio.Event()
+        if notice is not None:
+            self.service.spawn(self._pulse, notice, begun, beats, stop, pulsed)
+        else:
+            pulsed.set()
         try:
             bound = self.options.send_timeout_s
             with anyio.move_on_after(bound):  # failed writes are tried again until shortly before it
@@ -225,10 +251,50 @@ class Handoffs:
                 self._sending.discard(req_id)
                 self._sent.add(req_id)
             self._ready.set()
-            if durable < len(tokens) and notice is not None:
+            stop.set()
+            if notice is not None:
                 # Shielded and bounded: a producer that gives up because it is closing says so too.
-                with anyio.CancelScope(shield=True), anyio.move_on_after(_NOTICE_BOUND_S):
-                    await self._tell_gave_up(req_id, notice)
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(_NOTICE_BOUND_S):
+                        await pulsed.wait()  # a pulse being written lands before the pulses are removed
+                    if durable < len(tokens):
+                        with anyio.move_on_after(_NOTICE_BOUND_S):
+                            await self._tell_gave_up(req_id, notice)
+                    if beats:  # the marker (or the pages) now speak for the producer
+                        with anyio.move_on_after(_NOTICE_BOUND_S):
+                            await self._stop_pulse(notice, beats)
+
+    async def _pulse(self, notice: bytes, started: float, beats: list[int], stop: anyio.Event,
+                     pulsed: anyio.Event) -> None:
+        """Leave pulse 1, 2, ... of a send in the shared tier, pulse ``k`` at ``k * PULSE_S`` after
+        ``started`` (anyio clock, when the hand-off was answered), until ``stop``. A pulse written
+        late (a slow tier) skips to the next one due, so a backlog never builds; a pulse is never
+        cut off mid-write, it is waited for instead."""
+        try:
+            tier = self._shared_tier()
+            while tier is not None:
+                beat = int((anyio.current_time() - started) / PULSE_S) + 1
+                with anyio.move_on_at(started + beat * PULSE_S):
+                    await stop.wait()
+                if stop.is_set():
+                    return
+                beats.append(beat)
+                try:
+                    await tier.mark(pulse_key(notice, beat))
+                except HiCacheError:
+                    pass  # a tier that refuses writes: the consumer hears silence, as it should
+        finally:
+            pulsed.set()
+
+    async def _stop_pulse(self, notice: bytes, beats: list[int]) -> None:
+        tier = self._shared_tier()
+        if tier is None:
+            return
+        for beat in beats:
+            try:
+                await tier.unmark(pulse_key(notice, beat))
+            except HiCacheError:
+                return  # the tier's own eviction takes what is left
 
     async def _tell_gave_up(self, req_id: str, notice: bytes) -> None:
         tier = self._shared_tier()
@@ -245,10 +311,11 @@ class Handoffs:
     # -- consumer -------------------------------------------------------------------------------
 
     def expect(self, req_id: str, tokens: list[int], receive_tokens: int, checks: Any, rank: int,
-               handoff_id: Any = None) -> bool:
+               handoff_id: Any = None, pulse_s: Any = None) -> bool:
         """A queued request that a producer prefilled: accept it (its check matches ours) and watch
         for its first ``receive_tokens`` tokens, or refuse it (counted). ``handoff_id``: where the
-        producer leaves word that it gave up (older producers send none: the bound alone ends it)."""
+        producer leaves word that it gave up; ``pulse_s``: how often it leaves a pulse while it
+        sends (older producers send neither: the bound alone ends the wait)."""
         c = self.service.counters
         mine = self._check(tokens)
         theirs = checks[rank] if isinstance(checks, list) and 0 <= rank < len(checks) else None
@@ -259,20 +326,25 @@ class Handoffs:
                      "size or tokens); vLLM computes the prompt", req_id)
             return False
         self._end(req_id)  # a request id seen again (a retry): start over
+        low, high = _PULSE_RANGE_S
+        pulse = float(pulse_s) if isinstance(pulse_s, int | float) and not isinstance(pulse_s, bool) else None
         rec = _Receive(req_id, tokens[:receive_tokens], anyio.current_time() + self.options.receive_timeout_s,
-                       time.perf_counter(), notice=self._notice_key(tokens, handoff_id))
+                       time.perf_counter(), notice=self._notice_key(tokens, handoff_id),
+                       pulse_s=pulse if pulse is not None and low <= pulse <= high else None)
         self._receives[req_id] = rec
         self.service.spawn(self._await_arrival, rec)
         return True
 
     async def _await_arrival(self, rec: _Receive) -> None:
         """Ask the cache until the pages are all in memory or in a storage tier (a lookup with
-        prefetch brings them up), the producer's marker says no more will come, or the receive's
-        time is up."""
+        prefetch brings them up), the producer's marker says no more will come, its pulse has
+        stopped, or the receive's time is up."""
         cache = self._cache
         want = len(rec.tokens)
         tier = self._shared_tier() if rec.notice is not None else None
-        next_notice = anyio.current_time() + _NOTICE_EVERY_S
+        accepted = anyio.current_time()  # after the hand-off began: every pulse asked for was due before
+        next_notice = accepted + _NOTICE_EVERY_S
+        heard = 0  # the last pulse seen
         i = 0
         try:
             with rec.watching:
@@ -286,6 +358,13 @@ class Handoffs:
                             if await tier.exists([rec.notice]):
                                 await self._given_up(rec, tier)
                                 return
+                            if rec.pulse_s is not None:
+                                due = int((anyio.current_time() - accepted) / rec.pulse_s) - SILENT_BEATS
+                                if due > heard:
+                                    if not await self._heard(tier, rec.notice, due):
+                                        await self._given_up(rec, tier, silent=True)
+                                        return
+                                    heard = due
                         await anyio.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
                         i += 1
         except HiCacheError as exc:
@@ -293,15 +372,32 @@ class Handoffs:
         finally:
             rec.arrived.set()
 
-    async def _given_up(self, rec: _Receive, tier: Any) -> None:
-        """The producer gave up: what the tiers hold now is all that comes (its marker is stored
-        after its last write), and the receive copies that much."""
+    @staticmethod
+    async def _heard(tier: Any, notice: bytes, due: int) -> bool:
+        """Whether the producer left pulse ``due`` or one of the next ``SILENT_BEATS`` (a late
+        pulse skips ahead; the pulses stay until the send ends)."""
+        for beat in range(due, due + SILENT_BEATS + 1):
+            if await tier.exists([pulse_key(notice, beat)]):
+                return True
+        return False
+
+    async def _given_up(self, rec: _Receive, tier: Any, *, silent: bool = False) -> None:
+        """The producer gave up (its marker is stored after its last write) or fell ``silent`` (no
+        pulse for ``SILENT_BEATS`` periods: killed, or cut off from the tier): what the tiers hold
+        now is all that comes, and the receive copies that much."""
         hit = await self._cache.lookup(rec.tokens, prefetch=True)
         assert rec.notice is not None
-        await tier.unmark(rec.notice)
+        if not silent:
+            await tier.unmark(rec.notice)
         if hit.tokens >= len(rec.tokens):
-            return  # they all came after all
+            return  # they all came after all (a send that ended just now stops pulsing)
         rec.limit_page = hit.tokens // self._cache.page_size
+        if silent:
+            self.service.counters.pd_receives_producer_silent += 1
+            log.info("hicache: %s: the prefill server fell silent (no pulse for %.1f s); %d of %d tokens arrived, "
+                     "vLLM recomputes the rest", rec.req_id, SILENT_BEATS * (rec.pulse_s or 0), hit.tokens,
+                     len(rec.tokens))
+            return
         self.service.counters.pd_receives_given_up += 1
         log.info("hicache: %s: the prefill server gave up its hand-off; %d of %d tokens arrived, vLLM recomputes "
                  "the rest", rec.req_id, hit.tokens, len(rec.tokens))

@@ -11,7 +11,8 @@ every rank and makes the answers agree:
 * ``forget``: told to every rank (each holds its own prefetches and hand-off receives).
 * A lookup that carries a producer's hand-off (``expect``) is accepted only where every rank
   accepts it (each compares its own check); a ``handoff`` answers the fewest tokens any rank
-  holds and every rank's check, in rank order (``agree_handoffs``).
+  holds and every rank's check, in rank order, and the pulse period where every rank pulses at
+  the same (``agree_handoffs``).
 * A load that fails on one rank: that worker reports the blocks it could not fill, vLLM takes the
   union over its workers (``KVOutputAggregator``) and recomputes those blocks on every rank. A save
   that fails on one rank leaves that rank without the pages: the next lookup's minimum does not
@@ -42,7 +43,11 @@ def agree_lookups(replies: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
 def agree_handoffs(replies: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
     """One hand-off answer: the fewest tokens any rank holds (none where one failed), each rank's check."""
     tokens = [0 if r is None else int(r.get("tokens", 0)) for r in replies]
-    return {"tokens": min(tokens, default=0), "checks": [None if r is None else r.get("check") for r in replies]}
+    out = {"tokens": min(tokens, default=0), "checks": [None if r is None else r.get("check") for r in replies]}
+    pulses = {None if r is None else r.get("pulse_s") for r in replies}
+    if len(pulses) == 1 and None not in pulses:  # every rank pulses, at one period
+        out["pulse_s"] = pulses.pop()
+    return out
 
 
 class RankChannels:

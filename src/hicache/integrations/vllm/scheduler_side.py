@@ -26,8 +26,9 @@ Prefill/decode (``handoff.py`` has the worker's half; ``Roles`` what each ``kv_r
   worker answers how many tokens it holds and their check, and starts making them durable; the
   scheduler keeps the request's blocks (``delay_free_blocks``) until the worker reports it sent,
   and returns ``kv_transfer_params`` (``do_remote_prefill`` and a ``hicache`` section: tokens,
-  checks per rank, page size, and a fresh hand-off id that names the marker the worker leaves
-  in the shared tier if the send fails) for the proxy to pass to a decode server.
+  checks per rank, page size, a fresh hand-off id that names the marker the worker leaves in the
+  shared tier if the send fails, and the period of the pulse it leaves while it sends) for the
+  proxy to pass to a decode server.
 * **Consumer**: a request that carries those parameters has its queued lookup carry them too
   (``expect``); once the worker accepts them, ``get_num_new_matched_tokens`` answers the
   promised whole blocks beyond vLLM's own hit as an asynchronous load ``(n, True)``: vLLM gives
@@ -171,7 +172,8 @@ class SchedulerSide:
         receive = min(promised, self._usable(request)) // self.block_size * self.block_size
         if receive <= 0 or promised > request.num_tokens:
             return False  # nothing whole to load, or not this prompt: computed here
-        _, reply = self._lookup(request, prefetch=True, expect={"tokens": receive, "checks": ours["checks"], "id": ours.get("id")},
+        _, reply = self._lookup(request, prefetch=True, expect={"tokens": receive, "checks": ours["checks"], "id": ours.get("id"),
+                                                                  "pulse_s": ours.get("pulse_s")},
                                 end=promised)
         if reply is None or not reply.get("expect"):
             return False
@@ -324,8 +326,7 @@ class SchedulerSide:
                      request.request_id)
             return False, None
         checks = reply.get("checks") if isinstance(reply.get("checks"), list) else [reply.get("check")]
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "hicache": {"tokens": tokens, "checks": checks, "page_size": ps, "id": handoff_id},
-        }
+        ours: dict[str, Any] = {"tokens": tokens, "checks": checks, "page_size": ps, "id": handoff_id}
+        if reply.get("pulse_s") is not None:
+            ours["pulse_s"] = reply["pulse_s"]  # the worker pulses while it sends (handoff.py)
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "hicache": ours}

@@ -88,6 +88,7 @@ class ConnectorCounters:
     pd_received_tokens: int = 0
     pd_receive_failures: int = 0  # some pages did not arrive within receive_timeout_s (or the request ended)
     pd_receives_given_up: int = 0  # the producer's marker said it gave up: what had arrived was copied, the rest computed
+    pd_receives_producer_silent: int = 0  # the producer's pulse stopped (killed, cut off): the same, without a marker
     pd_receives_refused: int = 0  # the producer's check is not this namespace's: computed here
     pd_receive_retries: int = 0  # reads of listed pages that came up short and were asked again
     pd_receive_wait_s: float = 0.0  # seconds from the queued request to its pages copied (or given up), summed
@@ -303,7 +304,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
                     ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
                     reply["expect"] = self.handoffs.expect(
                         str(message["req"]), ids, int(expect["tokens"]), expect.get("checks"),
-                        self.config.parallel.tp_rank, expect.get("id"),
+                        self.config.parallel.tp_rank, expect.get("id"), expect.get("pulse_s"),
                     )
                 return reply
             finally:
