@@ -14,6 +14,8 @@ one that cannot say so (killed) falls silent, and its consumer stops waiting all
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,21 @@ def _page_kv(kv: torch.Tensor, page: int) -> list[torch.Tensor]:
     return [chunk[:, layer].reshape(chunk.shape[0], -1) for layer in range(kv.shape[1])]
 
 
+def _assert_bit_for_bit(copied: Any, kv: torch.Tensor) -> None:
+    """Every page copied into vLLM's blocks equals the producer's KV of that page, every layer."""
+    for page, layers in copied.pages.items():
+        for got, want in zip(layers, _page_kv(kv, page), strict=True):
+            assert torch.equal(got, want)
+
+def _fault_over_folder(fake: str, folder: Path, **options: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The producer's tier (fault fake ``fake`` of ``tests/fakes.py`` over a shared folder) and the
+    consumer's (the same folder, plain)."""
+    inner = {"kind": "file", "path": str(folder)}
+    return ([{"kind": f"tests.fakes:{fake}", "name": "shared", **options, "inner": inner}],
+            [{**inner, "name": "shared"}])
+
+
+
 def _wait(fn: Any, timeout_s: float = 20.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -94,6 +111,33 @@ def _wait(fn: Any, timeout_s: float = 20.0) -> Any:
 
 def _received(service: CacheService) -> list[Any]:
     return _wait(lambda: service.handoffs.take(set())[1])
+
+
+@contextmanager
+def _pair(producer_cfg: Any, consumer_cfg: Any, send_s: float, receive_s: float) -> Iterator[tuple[Any, Any, Any]]:
+    """A portal, a producer ``CacheService`` (``send_s``) and a consumer (``receive_s``), started."""
+    with start_blocking_portal() as portal:
+        with portal.wrap_async_context_manager(
+                CacheService(producer_cfg, socket_path("p"), _options(send_s=send_s))) as producer, \
+                portal.wrap_async_context_manager(
+                    CacheService(consumer_cfg, socket_path("d"), _options(receive_s=receive_s))) as consumer:
+            yield portal, producer, consumer
+
+
+def _hand_off(portal: Any, producer: Any, consumer: Any, req_id: str, tokens: list[int],
+              handoff_id: str) -> tuple[dict[str, Any], Any, Copied]:
+    """The whole of ``tokens`` handed off as the scheduler does it (the producer's reply passed to
+    the consumer), received into vLLM blocks 0..: (the reply, the receive's outcome, what was copied)."""
+    handed = portal.call(producer.handoffs.handoff, req_id, tokens, handoff_id)
+    assert handed["tokens"] == len(tokens)
+    assert portal.call(consumer.handoffs.expect, req_id, tokens, len(tokens), [handed["check"]], 0, handoff_id,
+                       handed.get("pulse_s"))
+    pages = len(tokens) // PS
+    copied = Copied()
+    portal.call(consumer.begin_receives, [ReceiveSpec(req_id, tokens, 0, pages, list(range(pages)))], copied)
+    (outcome,) = _received(consumer)
+    return handed, outcome, copied
+
 
 
 def test_a_prompt_handed_off_through_a_shared_folder_arrives_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,9 +168,7 @@ def test_a_prompt_handed_off_through_a_shared_folder_arrives_bit_for_bit(tmp_pat
             (outcome,) = _received(consumer)
             assert outcome.spec is spec and outcome.from_page == 8  # everything arrived
             assert sorted(copied.pages) == list(range(2, 8))  # only what vLLM lacked
-            for page, layers in copied.pages.items():
-                for got, want in zip(layers, _page_kv(kv, page)):
-                    assert torch.equal(got, want)
+            _assert_bit_for_bit(copied, kv)
             c = consumer.counters
             assert (c.pd_receives, c.pd_received_tokens, c.pd_receive_failures) == (1, 6 * PS, 0)
             assert consumer.records["r1"]["loaded_tokens"] == 6 * PS and consumer.records["r1"]["failed_tokens"] == 0
@@ -175,9 +217,7 @@ def test_a_read_that_fails_is_read_again_within_the_receive_bound(tmp_path: Path
             portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
             (outcome,) = _received(consumer)
             assert outcome.from_page == 4 and sorted(copied.pages) == list(range(4))  # whole
-            for page, layers in copied.pages.items():
-                for got, want in zip(layers, _page_kv(kv, page)):
-                    assert torch.equal(got, want)
+            _assert_bit_for_bit(copied, kv)
             c = consumer.counters
             assert (c.pd_receives, c.pd_receive_failures) == (1, 0)
             assert c.pd_receive_retries >= 1
@@ -265,41 +305,29 @@ def test_a_producer_that_gives_up_says_so_and_its_consumer_stops_waiting_with_wh
     monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
     folder = tmp_path / "shared"
     # The producer's store takes two pages of the prompt, then refuses the rest (out of room).
-    refusing = [{"kind": "tests.fakes:PageRefusingStorageBackend", "name": "shared", "accept_pages": 2,
-                 "inner": {"kind": "file", "path": str(folder)}}]
-    shared = [{"kind": "file", "path": str(folder), "name": "shared"}]
+    refusing, shared = _fault_over_folder("PageRefusingStorageBackend", folder, accept_pages=2)
     tokens = make_tokens(4 * PS + 1)
     cfg = _config(refusing)
     kv = make_kv(cfg, 4 * PS)
-    with start_blocking_portal() as portal:
-        with portal.wrap_async_context_manager(CacheService(cfg, socket_path("p"), _options(send_s=1.0))) as producer, \
-                portal.wrap_async_context_manager(
-                    CacheService(_config(shared), socket_path("d"), _options(receive_s=30.0))) as consumer:
-            portal.call(producer.cache.store, tokens[: 4 * PS], kv)
-            started = time.monotonic()
-            handed = portal.call(producer.handoffs.handoff, "r1", tokens[: 4 * PS], "h-1")
-            assert handed["tokens"] == 4 * PS
-            assert portal.call(consumer.handoffs.expect, "r1", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0, "h-1")
-            copied = Copied()
-            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
-            (outcome,) = _received(consumer)
-            # Far inside its 30 s bound: the producer's send bound (1 s), then at most a notice poll.
-            assert time.monotonic() - started < 5
-            assert outcome.from_page == 2 and sorted(copied.pages) == [0, 1]  # what arrived is used, bit for bit
-            for page, layers in copied.pages.items():
-                for got, want in zip(layers, _page_kv(kv, page)):
-                    assert torch.equal(got, want)
-            p, c = producer.counters, consumer.counters
-            assert (p.pd_send_failures, p.pd_gave_up_notices) == (1, 1)
-            assert (c.pd_receives_given_up, c.pd_receive_failures, c.pd_received_tokens) == (1, 1, 2 * PS)
-            # The marker was read once and removed: the folder holds the two pages and nothing else.
-            assert sorted(f.stat().st_size > HEADER_BYTES for f in folder.rglob("*.kv")) == [True, True]
-            # Another hand-off id names another marker: a later hand-off of the same prompt is not cut short.
-            seed = consumer.cache.controller.tree.seed
-            assert notice_key(seed, tokens[: 4 * PS], PS, "h-1") != notice_key(seed, tokens[: 4 * PS], PS, "h-2")
-            # Another tenant cannot name (or forge) this namespace's marker.
-            assert notice_key(seed, tokens[: 4 * PS], PS, "h-1") != notice_key(
-                seed[::-1], tokens[: 4 * PS], PS, "h-1")
+    with _pair(cfg, _config(shared), send_s=1.0, receive_s=30.0) as (portal, producer, consumer):
+        portal.call(producer.cache.store, tokens[: 4 * PS], kv)
+        started = time.monotonic()
+        _, outcome, copied = _hand_off(portal, producer, consumer, "r1", tokens[: 4 * PS], "h-1")
+        # Far inside its 30 s bound: the producer's send bound (1 s), then at most a notice poll.
+        assert time.monotonic() - started < 5
+        assert outcome.from_page == 2 and sorted(copied.pages) == [0, 1]  # what arrived is used, bit for bit
+        _assert_bit_for_bit(copied, kv)
+        p, c = producer.counters, consumer.counters
+        assert (p.pd_send_failures, p.pd_gave_up_notices) == (1, 1)
+        assert (c.pd_receives_given_up, c.pd_receive_failures, c.pd_received_tokens) == (1, 1, 2 * PS)
+        # The marker was read once and removed: the folder holds the two pages and nothing else.
+        assert sorted(f.stat().st_size > HEADER_BYTES for f in folder.rglob("*.kv")) == [True, True]
+        # Another hand-off id names another marker: a later hand-off of the same prompt is not cut short.
+        seed = consumer.cache.controller.tree.seed
+        assert notice_key(seed, tokens[: 4 * PS], PS, "h-1") != notice_key(seed, tokens[: 4 * PS], PS, "h-2")
+        # Another tenant cannot name (or forge) this namespace's marker.
+        assert notice_key(seed, tokens[: 4 * PS], PS, "h-1") != notice_key(
+            seed[::-1], tokens[: 4 * PS], PS, "h-1")
 
 
 def test_a_slow_producer_keeps_its_consumer_waiting_with_its_pulse_and_a_silent_one_is_given_up_early(
@@ -312,57 +340,45 @@ def test_a_slow_producer_keeps_its_consumer_waiting_with_its_pulse_and_a_silent_
     monkeypatch.setattr(handoff, "PULSE_S", 0.2)  # the producer's period, which its reply advertises
     folder = tmp_path / "shared"
     # Writing the prompt's pages takes 2 s (0.5 s a page); markers and pulses go through at once.
-    slow = [{"kind": "tests.fakes:PageDelayingStorageBackend", "name": "shared", "per_page_s": 0.5,
-             "inner": {"kind": "file", "path": str(folder)}}]
-    shared = [{"kind": "file", "path": str(folder), "name": "shared"}]
+    slow, shared = _fault_over_folder("PageDelayingStorageBackend", folder, per_page_s=0.5)
     tokens = make_tokens(4 * PS + 1)
     cfg = _config(slow)
     kv = make_kv(cfg, 4 * PS)
-    with start_blocking_portal() as portal:
-        with portal.wrap_async_context_manager(CacheService(cfg, socket_path("p"), _options(send_s=20.0))) as producer, \
-                portal.wrap_async_context_manager(
-                    CacheService(_config(shared), socket_path("d"), _options(receive_s=30.0))) as consumer:
-            portal.call(producer.cache.store, tokens[: 4 * PS], kv)
-            started = time.monotonic()
-            handed = portal.call(producer.handoffs.handoff, "r1", tokens[: 4 * PS], "h-1")
-            assert handed["tokens"] == 4 * PS and handed["pulse_s"] == 0.2
-            assert portal.call(consumer.handoffs.expect, "r1", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0,
-                               "h-1", handed["pulse_s"])
-            copied = Copied()
-            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
-            (outcome,) = _received(consumer)
-            # Three silent periods are 0.6 s; the send takes 2 s: only the pulse kept the consumer waiting.
-            assert time.monotonic() - started > 1.5
-            assert outcome.from_page == 4 and sorted(copied.pages) == [0, 1, 2, 3]
-            for page, layers in copied.pages.items():
-                for got, want in zip(layers, _page_kv(kv, page)):
-                    assert torch.equal(got, want)
-            assert consumer.counters.pd_receives == 1 and consumer.counters.pd_receives_producer_silent == 0
-            _wait(lambda: producer.handoffs.take({"r1"})[0])
-            assert producer.counters.pd_sends == 1
-            # The send over, its pulses are removed: the folder holds the four pages and nothing else.
-            _wait(lambda: sorted(f.stat().st_size > HEADER_BYTES for f in folder.rglob("*.kv")) == [True] * 4)
+    with _pair(cfg, _config(shared), send_s=20.0, receive_s=30.0) as (portal, producer, consumer):
+        portal.call(producer.cache.store, tokens[: 4 * PS], kv)
+        started = time.monotonic()
+        handed, outcome, copied = _hand_off(portal, producer, consumer, "r1", tokens[: 4 * PS], "h-1")
+        assert handed["pulse_s"] == 0.2
+        # Three silent periods are 0.6 s; the send takes 2 s: only the pulse kept the consumer waiting.
+        assert time.monotonic() - started > 1.5
+        assert outcome.from_page == 4 and sorted(copied.pages) == [0, 1, 2, 3]
+        _assert_bit_for_bit(copied, kv)
+        assert consumer.counters.pd_receives == 1 and consumer.counters.pd_receives_producer_silent == 0
+        _wait(lambda: producer.handoffs.take({"r1"})[0])
+        assert producer.counters.pd_sends == 1
+        # The send over, its pulses are removed: the folder holds the four pages and nothing else.
+        _wait(lambda: sorted(f.stat().st_size > HEADER_BYTES for f in folder.rglob("*.kv")) == [True] * 4)
 
-            # A producer killed after it answered (its response reached the decode server), with two
-            # of four pages of another prompt written: no marker, no pulse. Its consumer copies
-            # what arrived and stops waiting after the silent periods, not after its 30 s bound.
-            other = make_tokens(4 * PS + 1, seed=7)
-            portal.call(producer.cache.store, other[: 2 * PS], make_kv(cfg, 2 * PS))
-            portal.call(producer.cache.persist, other[: 2 * PS])
-            check = page_check(consumer.cache.controller.tree.seed, other[: 4 * PS], PS)
-            started = time.monotonic()
-            assert portal.call(consumer.handoffs.expect, "r2", other[: 4 * PS], 4 * PS, [check], 0, "h-2", 0.2)
-            copied = Copied()
-            portal.call(consumer.begin_receives, [ReceiveSpec("r2", other[: 4 * PS], 0, 4, list(range(4)))], copied)
-            (outcome,) = _received(consumer)
-            waited = time.monotonic() - started
-            assert 0.6 < waited < 5, waited
-            assert outcome.from_page == 2 and sorted(copied.pages) == [0, 1]
-            c = consumer.counters
-            assert (c.pd_receives_producer_silent, c.pd_receives_given_up, c.pd_receive_failures) == (1, 0, 1)
-            # A pulse is named from the marker's name: another hand-off or tenant cannot name it.
-            seed = consumer.cache.controller.tree.seed
-            mark = notice_key(seed, other[: 4 * PS], PS, "h-2")
-            assert mark is not None
-            assert pulse_key(mark, 1) != pulse_key(mark, 2)
-            assert pulse_key(mark, 1) != pulse_key(notice_key(seed, other[: 4 * PS], PS, "h-3") or b"", 1)
+        # A producer killed after it answered (its response reached the decode server), with two
+        # of four pages of another prompt written: no marker, no pulse. Its consumer copies
+        # what arrived and stops waiting after the silent periods, not after its 30 s bound.
+        other = make_tokens(4 * PS + 1, seed=7)
+        portal.call(producer.cache.store, other[: 2 * PS], make_kv(cfg, 2 * PS))
+        portal.call(producer.cache.persist, other[: 2 * PS])
+        check = page_check(consumer.cache.controller.tree.seed, other[: 4 * PS], PS)
+        started = time.monotonic()
+        assert portal.call(consumer.handoffs.expect, "r2", other[: 4 * PS], 4 * PS, [check], 0, "h-2", 0.2)
+        copied = Copied()
+        portal.call(consumer.begin_receives, [ReceiveSpec("r2", other[: 4 * PS], 0, 4, list(range(4)))], copied)
+        (outcome,) = _received(consumer)
+        waited = time.monotonic() - started
+        assert 0.6 < waited < 5, waited
+        assert outcome.from_page == 2 and sorted(copied.pages) == [0, 1]
+        c = consumer.counters
+        assert (c.pd_receives_producer_silent, c.pd_receives_given_up, c.pd_receive_failures) == (1, 0, 1)
+        # A pulse is named from the marker's name: another hand-off or tenant cannot name it.
+        seed = consumer.cache.controller.tree.seed
+        mark = notice_key(seed, other[: 4 * PS], PS, "h-2")
+        assert mark is not None
+        assert pulse_key(mark, 1) != pulse_key(mark, 2)
+        assert pulse_key(mark, 1) != pulse_key(notice_key(seed, other[: 4 * PS], PS, "h-3") or b"", 1)
