@@ -31,10 +31,11 @@ def test_a_prefill_host_holds_two_running_batches() -> None:
     assert big["host_tokens"] > sizes["host_tokens"]
 
 
-def _snapshot(dropped: int, received: int) -> dict[str, object]:
+def _snapshot(dropped: int, received: int, given_up: int = 0, silent: int = 0) -> dict[str, object]:
     return {
         "prefill": {"connector": {"pd_sends": 1}, "cache": {"dropped_pages": dropped, "storage": {}}},
-        "decode": {"connector": {"pd_receives": received}, "cache": {"storage": {}}},
+        "decode": {"connector": {"pd_receives": received, "pd_receives_given_up": given_up,
+                                 "pd_receives_producer_silent": silent}, "cache": {"storage": {}}},
     }
 
 
@@ -43,3 +44,11 @@ def test_transfer_cost_reports_the_pages_the_producer_dropped() -> None:
     cost = transfer_cost(_snapshot(3, 0), _snapshot(11, 2), raw, TOKEN_BYTES)
     assert cost["producer_dropped_pages"] == 8
     assert cost["handoffs"] == 2
+
+
+def test_transfer_cost_reports_receives_ended_by_a_marker_or_by_silence() -> None:
+    """A receive its producer's silence ended while the producer lived would be a false alarm: the
+    bench shows both kinds of early end beside each other."""
+    raw = {"write_gbps": 1.0, "read_gbps": 1.0}
+    cost = transfer_cost(_snapshot(0, 0, 1, 2), _snapshot(0, 4, 2, 5), raw, TOKEN_BYTES)
+    assert (cost["ended_by_marker"], cost["ended_by_silence"]) == (1, 3)

@@ -228,6 +228,10 @@ def transfer_cost(before: dict[str, Any], after: dict[str, Any], raw: dict[str, 
         "received_failures": int(delta(c0, c1, "pd_receive_failures")),
         "refused": int(delta(c0, c1, "pd_receives_refused")),
         "rereads": int(delta(c0, c1, "pd_receive_retries")),
+        # Receives ended before their bound: by the producer's gave-up marker, or by its silence
+        # (no pulse); a live producer's receive ended by silence would be a false alarm.
+        "ended_by_marker": int(delta(c0, c1, "pd_receives_given_up")),
+        "ended_by_silence": int(delta(c0, c1, "pd_receives_producer_silent")),
         "send_failures": int(delta(s0, s1, "pd_send_failures")),
         # Pages the prefill server's cache could not place (no room): not handed off, recomputed.
         "producer_dropped_pages": int(_cache_count(p1, "dropped_pages") - _cache_count(p0, "dropped_pages")),
@@ -433,7 +437,7 @@ def format_workload(w: dict[str, Any]) -> str:
     lines = [f"== {w['workload']} (ms; TTFT and ITL at the client) ==", _grid(rows), ""]
     moves = [["hand-off (per request)", "MB handed", "MB written", "MB read", "write ms", "read ms", "copy ms",
               "total ms", "raw ms", "x raw", "raw loaded ms", "x raw loaded", "send ms", "receive ms", "failed",
-              "refused", "rereads", "dropped"]]
+              "refused", "rereads", "ended: marker/silence", "dropped"]]
     for name, s in w["summary"].items():
         t = s.get("transfer")
         if t is None:
@@ -445,7 +449,8 @@ def format_workload(w: dict[str, Any]) -> str:
                       _ms(t.get("raw_loaded_s_per_request", math.nan)), f"{t.get('transfer_vs_raw_loaded', math.nan):.2f}",
                       _ms(t["send_latency_s"]),
                       _ms(t["receive_wait_s"]), str(t["received_failures"]), str(t["refused"]),
-                      str(t.get("rereads", 0)), str(t.get("producer_dropped_pages", 0))])
+                      str(t.get("rereads", 0)), f"{t.get('ended_by_marker', 0)}/{t.get('ended_by_silence', 0)}",
+                      str(t.get("producer_dropped_pages", 0))])
     if len(moves) > 1:
         lines += [_grid(moves), ""]
     for key, t in w["targets"].items():
