@@ -15,8 +15,9 @@ scheduler chose and the parameters carry, over the last page's key, so only this
 consumer of this hand-off can name it), and the consumer stops waiting for pages that will not come.
 A producer that cannot say so (killed, or cut off from the tier) falls silent: while a send is in
 flight it leaves a pulse in the shared tier every ``PULSE_S`` (``pulse_key``: the marker's name and
-the beat's number), and a consumer that sees ``SILENT_BEATS`` periods pass without the pulse due
-stops waiting as if it had read the marker, long before its ``receive_timeout_s``. No clocks are
+the beat's number), and a consumer that sees ``SILENT_BEATS`` periods pass without the pulse due,
+twice in a row (a failed read looks like silence once), stops waiting as if it had read the
+marker, long before its ``receive_timeout_s``. No clocks are
 compared: the consumer counts from when it accepted the request, which is after the hand-off
 began, so every pulse it asks for was due on the producer's side earlier still.
 The blocks are not read after the request's last step (its pages were copied into host pages
@@ -344,7 +345,8 @@ class Handoffs:
         tier = self._shared_tier() if rec.notice is not None else None
         accepted = anyio.current_time()  # after the hand-off began: every pulse asked for was due before
         next_notice = accepted + _NOTICE_EVERY_S
-        heard = 0  # the last pulse seen
+        asked = 0  # the last pulse asked for
+        missed = 0  # pulses in a row not heard: one may be a failed read (``exists`` says 0), two are silence
         i = 0
         try:
             with rec.watching:
@@ -360,11 +362,12 @@ class Handoffs:
                                 return
                             if rec.pulse_s is not None:
                                 due = int((anyio.current_time() - accepted) / rec.pulse_s) - SILENT_BEATS
-                                if due > heard:
-                                    if not await self._heard(tier, rec.notice, due):
+                                if due > asked:
+                                    asked = due
+                                    missed = 0 if await self._heard(tier, rec.notice, due) else missed + 1
+                                    if missed >= 2:
                                         await self._given_up(rec, tier, silent=True)
                                         return
-                                    heard = due
                         await anyio.sleep(_POLL_S[min(i, len(_POLL_S) - 1)])
                         i += 1
         except HiCacheError as exc:
@@ -383,7 +386,7 @@ class Handoffs:
 
     async def _given_up(self, rec: _Receive, tier: Any, *, silent: bool = False) -> None:
         """The producer gave up (its marker is stored after its last write) or fell ``silent`` (no
-        pulse for ``SILENT_BEATS`` periods: killed, or cut off from the tier): what the tiers hold
+        pulse for ``SILENT_BEATS`` periods, twice: killed, or cut off from the tier): what the tiers hold
         now is all that comes, and the receive copies that much."""
         hit = await self._cache.lookup(rec.tokens, prefetch=True)
         assert rec.notice is not None
@@ -395,7 +398,7 @@ class Handoffs:
         if silent:
             self.service.counters.pd_receives_producer_silent += 1
             log.info("hicache: %s: the prefill server fell silent (no pulse for %.1f s); %d of %d tokens arrived, "
-                     "vLLM recomputes the rest", rec.req_id, SILENT_BEATS * (rec.pulse_s or 0), hit.tokens,
+                     "vLLM recomputes the rest", rec.req_id, (SILENT_BEATS + 1) * (rec.pulse_s or 0), hit.tokens,
                      len(rec.tokens))
             return
         self.service.counters.pd_receives_given_up += 1
