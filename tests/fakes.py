@@ -248,6 +248,32 @@ class PageDelayingStorageBackend(DelayingStorageBackend):
         return await self.inner._set(keys, pages)
 
 
+class ExistsFailingOnceStorageBackend(DelayingStorageBackend):
+    """Fault fake: a real backend (``inner``) over which the first ``exists`` that asks for a key in
+    ``fail_once`` (storage keys, set by the test) fails, once per key (a store unreachable for a
+    moment); ``failed`` lists the keys whose read failed."""
+
+    kind = "exists-failing-once"
+
+    class Settings(DelayingStorageBackend.Settings):
+        delay_s: float = 0.0
+
+    settings: Settings
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.fail_once: set[bytes] = set()
+        self.failed: list[bytes] = []
+
+    async def _exists(self, keys: Sequence[bytes]) -> int:
+        blind = self.fail_once.intersection(keys)
+        if blind:
+            self.fail_once -= blind
+            self.failed.extend(blind)
+            raise OSError("store unreachable (injected)")
+        return await super()._exists(keys)
+
+
 class SlowIOBackend(KernelIOBackend):
     """Fault fake: the real kernel io backend, but every copy also sleeps ``delay_s`` in its worker
     thread (a slow link between device and host), so backups, spills and load-backs stay in flight."""

@@ -349,7 +349,8 @@ def test_a_slow_producer_keeps_its_consumer_waiting_with_its_pulse_and_a_silent_
         started = time.monotonic()
         handed, outcome, copied = _hand_off(portal, producer, consumer, "r1", tokens[: 4 * PS], "h-1")
         assert handed["pulse_s"] == 0.2
-        # Silence is confirmed after four periods, 0.8 s; the send takes 2 s: only the pulse kept the consumer waiting.
+        # Silence is confirmed at the second unheard check, 1 s in; the send takes 2 s:
+        # only the pulse kept the consumer waiting.
         assert time.monotonic() - started > 1.5
         assert outcome.from_page == 4 and sorted(copied.pages) == [0, 1, 2, 3]
         _assert_bit_for_bit(copied, kv)
@@ -382,3 +383,34 @@ def test_a_slow_producer_keeps_its_consumer_waiting_with_its_pulse_and_a_silent_
         assert mark is not None
         assert pulse_key(mark, 1) != pulse_key(mark, 2)
         assert pulse_key(mark, 1) != pulse_key(notice_key(seed, other[: 4 * PS], PS, "h-3") or b"", 1)
+
+
+def test_one_unheard_pulse_check_does_not_end_a_live_producers_hand_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``exists`` reads 0 when the store fails, so one failed pulse check looks like silence: it
+    takes two unheard checks in a row to stop waiting, and a live producer's pages all arrive."""
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(handoff, "PULSE_S", 0.2)
+    folder = tmp_path / "shared"
+    slow, shared = _fault_over_folder("PageDelayingStorageBackend", folder, per_page_s=0.5)  # a 2 s send
+    blinking = [{"kind": "tests.fakes:ExistsFailingOnceStorageBackend", "name": "shared",
+                 "inner": {"kind": "file", "path": str(folder)}}]
+    tokens = make_tokens(4 * PS + 1)
+    cfg = _config(slow)
+    kv = make_kv(cfg, 4 * PS)
+    with _pair(cfg, _config(blinking), send_s=20.0, receive_s=30.0) as (portal, producer, consumer):
+        portal.call(producer.cache.store, tokens[: 4 * PS], kv)
+        # The store fails the consumer's first read of each pulse the first check asks for (1 to
+        # SILENT_BEATS + 1): that whole check is unheard; the next one hears pulse 2 on a second read.
+        tier = consumer.cache.controller.storage[0]
+        mark = notice_key(consumer.cache.controller.tree.seed, tokens[: 4 * PS], PS, "h-1")
+        assert mark is not None
+        first_check = tier.codec.storage_keys([pulse_key(mark, b) for b in range(1, handoff.SILENT_BEATS + 2)])
+        tier.backend.fail_once = set(first_check)
+        _, outcome, copied = _hand_off(portal, producer, consumer, "r1", tokens[: 4 * PS], "h-1")
+        assert sorted(tier.backend.failed) == sorted(first_check)  # the check was made, and failed
+        assert outcome.from_page == 4 and sorted(copied.pages) == [0, 1, 2, 3]
+        _assert_bit_for_bit(copied, kv)
+        c = consumer.counters
+        assert (c.pd_receives, c.pd_receives_producer_silent, c.pd_receive_failures) == (1, 0, 0)
