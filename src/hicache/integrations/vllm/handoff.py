@@ -398,7 +398,7 @@ class Handoffs:
         if silent:
             self.service.counters.pd_receives_producer_silent += 1
             log.info("hicache: %s: the prefill server fell silent (no pulse for %.1f s); %d of %d tokens arrived, "
-                     "vLLM recomputes the rest", rec.req_id, (SILENT_BEATS + 1) * (rec.pulse_s or 0), hit.tokens,
+                     "vLLM recomputes the rest", rec.req_id, (SILENT_BEATS + 2) * (rec.pulse_s or 0), hit.tokens,
                      len(rec.tokens))
             return
         self.service.counters.pd_receives_given_up += 1
