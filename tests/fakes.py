@@ -248,28 +248,27 @@ class PageDelayingStorageBackend(DelayingStorageBackend):
         return await self.inner._set(keys, pages)
 
 
-class ExistsFailingOnceStorageBackend(DelayingStorageBackend):
-    """Fault fake: a real backend (``inner``) over which the first ``exists`` that asks for a key in
-    ``fail_once`` (storage keys, set by the test) fails, once per key (a store unreachable for a
-    moment); ``failed`` lists the keys whose read failed."""
+class ExistsOutageStorageBackend(DelayingStorageBackend):
+    """Fault fake: a real backend (``inner``) unreachable for a moment: once an ``exists`` asks for
+    a key in ``watched`` (storage keys, set by the test), that call and the next ``outage_reads - 1``
+    that ask for one fail; ``failed`` lists the keys those calls asked for."""
 
-    kind = "exists-failing-once"
+    kind = "exists-outage"
 
     class Settings(DelayingStorageBackend.Settings):
         delay_s: float = 0.0
+        outage_reads: int = 1
 
     settings: Settings
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
-        self.fail_once: set[bytes] = set()
+        self.watched: set[bytes] = set()
         self.failed: list[bytes] = []
 
     async def _exists(self, keys: Sequence[bytes]) -> int:
-        blind = self.fail_once.intersection(keys)
-        if blind:
-            self.fail_once -= blind
-            self.failed.extend(blind)
+        if len(self.failed) < self.settings.outage_reads and self.watched.intersection(keys):
+            self.failed.extend(keys)
             raise OSError("store unreachable (injected)")
         return await super()._exists(keys)
 
