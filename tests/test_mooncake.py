@@ -287,3 +287,30 @@ async def test_requests_go_on_while_the_master_is_down_and_the_tier_is_used_agai
             assert cache.stats().storage["mooncake"].stored_pages > 0, time.monotonic() - started
     finally:
         server.stop()
+
+
+async def test_a_master_started_with_a_longer_client_ttl_serves_pages(tmp_path: Path) -> None:
+    """``hicache bench pd`` starts its master with ``--client_ttl`` (a stalled client keeps its
+    segment): the wheel's master accepts the flag (it exits on one it does not know) and serves."""
+    from hicache.soak.servers import start_mooncake_master
+    from tests.servers import mooncake_master_binary, unavailable
+
+    binary = mooncake_master_binary()
+    if binary is None:
+        unavailable("no mooncake_master binary (pip install mooncake-transfer-engine-non-cuda)")
+        return
+    master = start_mooncake_master(binary, tmp_path, client_ttl_s=60)
+    try:
+        assert "--client_ttl=60" in master.server.argv
+        settings = {"master": f"127.0.0.1:{master.rpc_port}", "protocol": "tcp", "local_hostname": "127.0.0.1",
+                    "metadata_server": f"http://127.0.0.1:{master.http_port}/metadata",
+                    "global_segment_size": 64 * 1024**2, "local_buffer_size": 16 * 1024**2}
+        async with fresh(settings) as b:
+            keys = [key(i) for i in range(3)]
+            assert await b.set(keys, [page(i) for i in range(3)]) == 3
+            into = empty(3)
+            assert await b.get(keys, into) == 3
+            assert all(same(into[i], page(i)) for i in range(3))
+        assert master.server.proc is not None and master.server.proc.poll() is None
+    finally:
+        master.server.stop()

@@ -5,7 +5,7 @@ tier entry, and the raw bandwidth of the same bytes through the same tier, measu
   pipelined ``SET`` then ``GET`` of page-sized values (header + payload), a batch per pipeline, and
   the same commands sent from and received into the pages' buffers (``redis_pages.py``, what the
   tier's backend does, without its headers, checksums or host pool);
-* ``mooncake``: a ``mooncake_master``; every server lends ``global_segment_size`` of its memory;
+* ``mooncake``: a ``mooncake_master`` (``--client_ttl`` 60 s); every server lends ``global_segment_size`` of its memory;
   raw: ``batch_put_from`` / ``batch_get_into`` of registered pages;
 * ``nixl``: no server: the prefill server's ``nixl-peer`` arena, which the decode server reads over
   UCX; raw: a copy into registered memory (what the producer's ``set`` is), then one UCX READ per
@@ -40,6 +40,7 @@ from ..tiers.storage.page_format import HEADER_BYTES
 __all__ = ["TIER_KINDS", "SharedTier", "start_tier"]
 
 TIER_KINDS = ("valkey", "mooncake", "nixl")
+MASTER_CLIENT_TTL_S = 60  # the Mooncake master's --client_ttl in the bench
 
 
 @dataclass
@@ -137,7 +138,9 @@ def start_tier(kind: str, workdir: Path) -> SharedTier:
         binary = mooncake_master_binary()
         if binary is None:
             raise SystemExit("hicache bench pd: no mooncake_master (pip install mooncake-transfer-engine-non-cuda)")
-        master = start_mooncake_master(binary, workdir)
+        # A stalled client misses its heartbeat too; at the master's default 10 s its segment (and
+        # the prompts in it) would be dropped while the server lives (docs/shared-tiers.md).
+        master = start_mooncake_master(binary, workdir, client_ttl_s=MASTER_CLIENT_TTL_S)
         server, rpc, http = master.server, master.rpc_port, master.http_port
         settings = {"master": f"127.0.0.1:{rpc}", "metadata_server": f"http://127.0.0.1:{http}/metadata",
                     "protocol": "tcp", "local_hostname": "127.0.0.1", "local_buffer_size": 64 * 1024**2}

@@ -137,7 +137,11 @@ def mooncake_master_binary() -> str | None:
     return str(exe) if exe.exists() else shutil.which("mooncake_master")
 
 
-def mooncake_master_argv(binary: str, rpc_port: int, http_port: int, metrics_port: int, lease_ms: int) -> list[str]:
+def mooncake_master_argv(binary: str, rpc_port: int, http_port: int, metrics_port: int, lease_ms: int,
+                         client_ttl_s: int | None = None) -> list[str]:
+    """``client_ttl_s``: how long a client's heartbeat may be missing before the master unmounts its
+    segment and drops the pages in it (``None``: the master's default, 10 s)."""
+    ttl = [] if client_ttl_s is None else [f"--client_ttl={client_ttl_s}"]
     return [
         binary,
         "--rpc_address=127.0.0.1",
@@ -148,6 +152,7 @@ def mooncake_master_argv(binary: str, rpc_port: int, http_port: int, metrics_por
         "--metrics_host=127.0.0.1",
         f"--metrics_port={metrics_port}",
         f"--default_kv_lease_ttl={lease_ms}",
+        *ttl,
     ]
 
 
@@ -161,7 +166,8 @@ class MooncakeMaster:
     metrics_port: int
 
 
-def start_mooncake_master(binary: str, log_dir: Path, *, lease_ms: int = 5000, attempts: int = 3) -> MooncakeMaster:
+def start_mooncake_master(binary: str, log_dir: Path, *, lease_ms: int = 5000, attempts: int = 3,
+                          client_ttl_s: int | None = None) -> MooncakeMaster:
     """Start a master whose RPC, HTTP metadata and metrics ports all listen.
 
     The master aborts when its metadata or metrics port is taken, sometimes after its RPC port has
@@ -170,7 +176,7 @@ def start_mooncake_master(binary: str, log_dir: Path, *, lease_ms: int = 5000, a
     last: Exception | None = None
     for _ in range(attempts):
         rpc, http, metrics = unclaimable_free_ports(3)
-        server = ServerProcess(mooncake_master_argv(binary, rpc, http, metrics, lease_ms), rpc,
+        server = ServerProcess(mooncake_master_argv(binary, rpc, http, metrics, lease_ms, client_ttl_s), rpc,
                                Path(log_dir) / f"mooncake-master-{rpc}.log")
         try:
             server.start()
