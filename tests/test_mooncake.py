@@ -294,6 +294,7 @@ async def test_a_master_started_with_a_longer_client_ttl_serves_pages(tmp_path: 
     segment): the wheel's master accepts the flag (it exits on one it does not know) and serves."""
     from hicache.soak.servers import start_mooncake_master
     from tests.servers import mooncake_master_binary, unavailable
+    from tests.test_storage_backends import test_set_then_get_is_bit_exact
 
     binary = mooncake_master_binary()
     if binary is None:
@@ -305,12 +306,7 @@ async def test_a_master_started_with_a_longer_client_ttl_serves_pages(tmp_path: 
         settings = {"master": f"127.0.0.1:{master.rpc_port}", "protocol": "tcp", "local_hostname": "127.0.0.1",
                     "metadata_server": f"http://127.0.0.1:{master.http_port}/metadata",
                     "global_segment_size": 64 * 1024**2, "local_buffer_size": 16 * 1024**2}
-        async with fresh(settings) as b:
-            keys = [key(i) for i in range(3)]
-            assert await b.set(keys, [page(i) for i in range(3)]) == 3
-            into = empty(3)
-            assert await b.get(keys, into) == 3
-            assert all(same(into[i], page(i)) for i in range(3))
+        await test_set_then_get_is_bit_exact(lambda **kw: fresh(settings, **kw))
         assert master.server.proc is not None and master.server.proc.poll() is None
     finally:
         master.server.stop()
