@@ -265,9 +265,11 @@ class ExistsOutageStorageBackend(DelayingStorageBackend):
         super().__init__(**options)
         self.watched: set[bytes] = set()
         self.failed: list[bytes] = []
+        self.failed_reads = 0
 
     async def _exists(self, keys: Sequence[bytes]) -> int:
-        if len(self.failed) < self.settings.outage_reads and self.watched.intersection(keys):
+        if self.failed_reads < self.settings.outage_reads and self.watched.intersection(keys):
+            self.failed_reads += 1
             self.failed.extend(keys)
             raise OSError("store unreachable (injected)")
         return await super()._exists(keys)

@@ -410,8 +410,9 @@ def test_one_unheard_pulse_check_does_not_end_a_live_producers_hand_off(
         tier.backend.watched = set(pulses)
         _, outcome, copied = _hand_off(portal, producer, consumer, "r1", tokens[: 4 * PS], "h-1")
         # One whole check was unheard: the reads of four pulses in a row failed.
+        assert tier.backend.failed_reads == handoff.SILENT_BEATS + 1
         failed = [pulses.index(k) for k in tier.backend.failed]
-        assert len(failed) == handoff.SILENT_BEATS + 1 and failed == list(range(failed[0], failed[0] + len(failed)))
+        assert failed == list(range(failed[0], failed[0] + handoff.SILENT_BEATS + 1))
         assert outcome.from_page == 4 and sorted(copied.pages) == [0, 1, 2, 3]
         _assert_bit_for_bit(copied, kv)
         c = consumer.counters
