@@ -28,7 +28,7 @@ from hicache.controller.candidates import (
     host_mirror,
 )
 from hicache.keys import KEY_BYTES
-from hicache.policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
+from hicache.policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy, ScanResistantLRUPolicy
 from hicache.radix_tree import CHANGED, HiRadixTree, Pin, TreeNode
 
 PS = 2
@@ -38,7 +38,8 @@ SEQUENCES = [
     [1, 1], [1, 1, 2, 0], [1, 1, 2, 0, 0, 0, 0, 1], [2, 0, 0, 1],
 ]
 WANTED = {DEVICE_LEAF: device_leaf, HOST_LEAF: host_leaf, HOST_MIRROR: host_mirror}
-POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy, "priority": PriorityPolicy}
+POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy, "priority": PriorityPolicy,
+            "scan_resistant_lru": ScanResistantLRUPolicy}
 
 
 def tb(ids: list[int]) -> bytes:
@@ -119,6 +120,8 @@ class Program:
                     node.host = self.fresh(node.num_pages)
             else:
                 node.host = self.fresh(node.num_pages)
+                if b % 2:  # read back from storage (as a prefetch publishes it)
+                    node.readback_hits = node.hit_count
             node.priority = b % 3 - 1  # set once, right after the pages (as Placement.insert_pages does)
             return
         node = self.pick(a)

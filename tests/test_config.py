@@ -352,7 +352,7 @@ def test_error_messages_name_file_and_fields(tmp_path: Path) -> None:
     msg = config_error(path, env={})
     expected = "invalid size 'lots' (expected bytes or a string like '512MiB')"
     assert f"{path}: tiers.host.capacity: {expected}" in msg
-    assert f"{path}: policies.eviction: expected one of 'lru', 'lfu', 'fifo', 'priority', got 'random'" in msg
+    assert f"{path}: policies.eviction: expected one of 'lru', 'lfu', 'fifo', 'priority', 'scan_resistant_lru', got 'random'" in msg
     assert f"{path}: tiers.hots: unknown setting" in msg
     assert len(msg.splitlines()) == 3
 

@@ -167,3 +167,37 @@ async def test_watermark_worker_evicts_in_background() -> None:
         assert cache.controller.host.used_pages == 6
         assert (await cache.lookup(make_tokens(24))).tokens == 24
         assert_consistent(cache)
+
+
+def _doc(name: int) -> list[int]:
+    """A two-page document, distinct per name."""
+    return [100 + name] * 4 + [200 + name] * 4
+
+
+@pytest.mark.parametrize(("policy", "host_served_per_pass"), [("lru", 0), ("scan_resistant_lru", 2)])
+async def test_a_loop_over_more_documents_than_the_host_holds(tmp_path, policy: str, host_served_per_pass: int) -> None:
+    """Eight documents visited in turn, a host holding four: LRU evicts exactly the one asked for
+    next (the host serves none of the loop); scan-resistant LRU lets each read-back displace the
+    previous read-back, so the host keeps serving two of them: its four, less the room a read-back
+    passes through and the copy of the document the device holds (host-only pages go first)."""
+    config = make_config(
+        2, 8, policies={"eviction": policy, "prefetch": "wait_complete"}, controller=NO_WATERMARK,
+        tiers={"storage": [{"kind": "file", "path": str(tmp_path / "pages"), "fsync": "never"}]},
+    )
+    names = list(range(8))
+    async with HiCache.from_config(config) as cache:
+        for name in names:  # computed once, in order: the host keeps the last four
+            await cache.store(_doc(name), make_kv(config, 8, seed=name))
+            await cache.wait_idle()
+        served = []
+        for _ in range(3):
+            host = 0
+            for name in names:
+                async with cache.retrieve(_doc(name)) as view:
+                    await view.wait_all()
+                    assert view.tokens == 8  # every document is found, from some tier
+                    host += view.by_tier["host"] == 8
+                await cache.wait_idle()
+            served.append(host)
+        assert served[1:] == [host_served_per_pass] * 2, served
+        assert_consistent(cache)

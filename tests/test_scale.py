@@ -83,7 +83,7 @@ async def test_lease_counters_stay_exact_under_real_traffic(write: str) -> None:
         assert cache.stats().loads > 0 and cache.stats().tiers["device"].evicted_pages > 0
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "priority", "scan_resistant_lru"])
 async def test_victims_leave_in_policy_order_on_a_large_pool(policy: str) -> None:
     """Evicting one page at a time from 2,000 touched nodes gives the full sort's order."""
     config = make_config(2000, 0, policies={"eviction": policy})
@@ -94,11 +94,14 @@ async def test_victims_leave_in_policy_order_on_a_large_pool(policy: str) -> Non
         for i in range(2000):
             (node,) = ctl.placement.insert_pages(as_token_bytes(distinct(i)), 0, pages[i : i + 1], [], priority=i % 3).nodes
             owner[pages[i]] = node
+            if i % 5 == 0:  # as a prefetch publishes a read-back (only scan_resistant_lru reads it)
+                node.readback_hits = node.hit_count
         await ctl.evictor.evict_device(0)  # queues them all (as a store's allocation would)
         for i in range(0, 2000, 7):  # hits move some nodes back in LRU and LFU order
             await cache.lookup(distinct(i))
-            async with cache.retrieve(distinct(i)):
-                pass
+            for _ in range(1 + i % 2):  # a read-back is reused from its second hit
+                async with cache.retrieve(distinct(i)):
+                    pass
         expected = sorted((ctl.eviction_policy.key(n), n.id) for n in ctl.tree.nodes())
         order = []
         for _ in range(2000):

@@ -359,6 +359,16 @@ CONFIGS = [
     for eviction in ("lru", "lfu", "fifo", "priority")
 ] + [
     pytest.param(
+        {
+            "policies": {"write": "write_through", "eviction": "scan_resistant_lru", "prefetch": "wait_complete",
+                         "prefetch_threshold_tokens": 0},
+            "tiers": {"storage": [{"kind": "memory", "capacity": 24 * 2048}]},
+            "controller": {"storage_batch_bytes": 2 * 2048},
+        },
+        id="write_through-storage-scan_resistant_lru",
+    )
+] + [
+    pytest.param(
         {"policies": {"write": write}, "tiers": {"host": {"layout": "layer_first"}}, "io": {"backend": "direct"}},
         id=f"{write}-layer_first-direct",
     )

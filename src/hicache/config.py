@@ -437,7 +437,7 @@ class PoliciesConfig(BaseModel):
 
     write: Literal["write_through", "write_through_selective", "write_back"] = "write_through"
     write_threshold: _Int = Field(default=2, ge=1)
-    eviction: Literal["lru", "lfu", "fifo", "priority"] = "lru"
+    eviction: Literal["lru", "lfu", "fifo", "priority", "scan_resistant_lru"] = "lru"
     prefetch: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
     prefetch_threshold_tokens: _Int = Field(default=256, ge=0)
     prefetch_timeout: PrefetchTimeoutConfig = Field(default_factory=PrefetchTimeoutConfig)

@@ -31,7 +31,7 @@ from .io.direct import DirectIOBackend
 from .io.kernel import KernelIOBackend
 from .io.transfer import TransferEngine
 from .keys import Namespace, TenantKey
-from .policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
+from .policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy, ScanResistantLRUPolicy
 from .policies.prefetch import BestEffort, Timeout, WaitComplete
 from .policies.write import WriteBack, WriteThrough, WriteThroughSelective
 from .radix_tree import HiRadixTree
@@ -226,6 +226,7 @@ class Container(containers.DeclarativeContainer):
         lfu=providers.Singleton(LFUPolicy),
         fifo=providers.Singleton(FIFOPolicy),
         priority=providers.Singleton(PriorityPolicy),
+        scan_resistant_lru=providers.Singleton(ScanResistantLRUPolicy),
     )
     write_policy = providers.Selector(
         config.provided.policies.write,

@@ -98,6 +98,7 @@ class TreeNode:
         "stored",
         "store_failed",
         "source",
+        "readback_hits",
         "lock_ref",
         "lease_ref",
         "device_children",
@@ -125,6 +126,7 @@ class TreeNode:
         self.stored = False  # its pages were written to (or read from) storage; a hint (storage is lossy)
         self.store_failed = False  # a write of its pages to storage failed: it may leave the host, counted as lost
         self.source: str | None = None  # the storage tier its host pages came from, until first used
+        self.readback_hits = -1  # read back from storage: its hit count then (-1: computed here)
         self.lock_ref = 0
         self.lease_ref = 0  # the part of lock_ref held by callers (leases), not by background jobs
         self.device_children = 0  # children whose ``device`` is set
@@ -394,6 +396,7 @@ class HiRadixTree:
         prefix.stored = node.stored
         prefix.store_failed = node.store_failed
         prefix.source = node.source
+        prefix.readback_hits = node.readback_hits
         # Every pin on ``node`` walks through its parent chain, so the new parent carries them all.
         prefix.lock_ref = node.lock_ref
         prefix.lease_ref = node.lease_ref

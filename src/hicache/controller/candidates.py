@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..policies.base import EvictionPolicy
-from ..policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
+from ..policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy, ScanResistantLRUPolicy
 from ..radix_tree import HiRadixTree, TreeNode
 
 __all__ = ["DEVICE_LEAF", "HOST_LEAF", "HOST_MIRROR", "Candidates", "device_leaf", "host_leaf", "host_mirror"]
@@ -61,7 +61,7 @@ def host_mirror(node: TreeNode) -> bool:
 
 _WANTED: tuple[Callable[[TreeNode], bool], ...] = (device_leaf, host_leaf, host_mirror)
 _QUEUED = (2, 4, 8)  # TreeNode.marks bits: queued in heap DEVICE_LEAF / HOST_LEAF / HOST_MIRROR
-_FLAT_KEYS = (LRUPolicy, LFUPolicy, FIFOPolicy, PriorityPolicy)  # keys: fixed-length tuples ending in the id
+_FLAT_KEYS = (LRUPolicy, LFUPolicy, FIFOPolicy, PriorityPolicy, ScanResistantLRUPolicy)  # keys: fixed-length tuples ending in the id
 _Entry = tuple[Any, ...]
 
 

@@ -381,9 +381,10 @@ class Prefetcher:
         pb = self.page_size * TOKEN_BYTES
         end = op.first_page + pos + got
         prefix = op.tokens_bytes[: end * pb]
-        for node in self.insert_host(prefix, op.first_page + pos, pages):
+        for node in self.insert_host(prefix, op.first_page + pos, pages):  # new nodes, never hit yet
             node.stored = True
             node.source = tier.name
+            node.readback_hits = node.hit_count
         match = self.tree.match(prefix)
         if match.pages < end:
             return False  # the pages before ours left the cache: ours could not be attached

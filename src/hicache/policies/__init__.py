@@ -1,7 +1,7 @@
 """Eviction and write policies."""
 
 from .base import EvictionPolicy, WritePolicy
-from .eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy
+from .eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy, ScanResistantLRUPolicy
 from .prefetch import BestEffort, PrefetchPolicy, Timeout, WaitComplete
 from .write import WriteBack, WriteThrough, WriteThroughSelective
 
@@ -12,6 +12,7 @@ __all__ = [
     "LFUPolicy",
     "FIFOPolicy",
     "PriorityPolicy",
+    "ScanResistantLRUPolicy",
     "WriteThrough",
     "WriteThroughSelective",
     "WriteBack",
