@@ -66,3 +66,9 @@ def test_a_worker_that_stalls_is_bounded_by_the_turn_timeout(tmp_path: Path, mon
                      progress=False)
     assert time.monotonic() - started < 30
     assert _no_children_left()
+
+
+def test_a_worker_that_never_boots_ends_the_run_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="configuration a exited"):
+        run_in_turns(_specs(tmp_path, ["a"], 2), 2, _env, module="tests.no_such_worker", progress=False)
+    assert _no_children_left()

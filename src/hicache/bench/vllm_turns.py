@@ -98,6 +98,11 @@ class _Worker:
                 [sys.executable, "-m", module, self.out_path], stdin=subprocess.PIPE, text=True, env=env,
                 pass_fds=(go_r, done_w), start_new_session=True,  # its vLLM children go with it
             )
+        except BaseException:
+            for fd in (self._go_w, self._done_r):
+                os.close(fd)
+            os.unlink(self.out_path)
+            raise
         finally:
             os.close(go_r)
             os.close(done_w)
@@ -159,9 +164,11 @@ def run_in_turns(specs: list[dict[str, Any]], requests: int, env_of: Callable[[d
                  reverse_first: bool = False, module: str = "hicache.bench.vllm_worker",
                  progress: bool = True) -> dict[str, dict[str, Any]]:
     """Start every spec's process at once, grant ``requests`` turns to each, return their results."""
-    workers = {s["configuration"]: _Worker(s["configuration"], s, env_of(s), module) for s in specs}
+    workers: dict[str, _Worker] = {}
     bar = None
     try:
+        for s in specs:  # inside the try: a failed start closes the ones started before it
+            workers[s["configuration"]] = _Worker(s["configuration"], s, env_of(s), module)
         for w in workers.values():
             w.expect("ready", BOOT_TIMEOUT_S)
         order = turn_order(list(workers), requests, reverse_first=reverse_first)
