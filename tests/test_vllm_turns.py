@@ -40,7 +40,7 @@ def _none_left_beyond(before: set[int]) -> bool:
 
 def test_turn_order_reverses_every_other_round() -> None:
     assert turn_order(["a", "b", "c"], 3) == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
-    assert turn_order(["a", "b"], 2, reverse_first=True) == ["b", "a", "a", "b"]
+    assert turn_order(["a", "b"], 2) == ["a", "b", "b", "a"]
 
 
 def test_every_process_serves_its_requests_only_in_its_own_turns(tmp_path: Path) -> None:

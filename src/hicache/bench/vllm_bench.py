@@ -11,8 +11,8 @@
 
 Each configuration runs in its own process (``hicache.bench.vllm_worker``), SmolLM2-135M in fp32,
 greedy, one after the other on the same trace; with ``--interleave`` (one request at a time) the
-processes run together and take turns request by request (``vllm_turns.py``). In vLLM's multi-process mode (``--vllm-mode multi``)
-its CPU worker reserves one core more when any KV connector is configured
+processes run together and take turns request by request (``vllm_turns.py``). In vLLM's
+multi-process mode (``--vllm-mode multi``) its CPU worker reserves one core more when any KV connector is configured
 (``vllm/utils/ompmultiprocessing.py``), which on a small machine gives ``vllm+hicache`` more cores to
 compute on than ``vllm``; every configuration therefore runs with the same
 ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (``--reserved-cpus``, default 1: what vLLM reserves for vLLM alone). TTFT comes from vLLM's request metrics
@@ -42,8 +42,8 @@ from typing import Any
 from .breakdown import format_breakdown, format_step_profile, merge_stats, step_profile, ttft_breakdown
 from .models import smollm2_dir
 from .repeats import run_order, summarise_runs
-from .vllm_turns import run_in_turns
 from .report import format_rounds, format_table, outputs_of, plot
+from .vllm_turns import run_in_turns
 from .workloads import MultiTurn
 
 __all__ = ["CONFIGURATIONS", "add_parser", "add_vllm_process_arguments", "run_vllm_benchmark", "run_worker", "vllm_env"]

@@ -34,6 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from .repeats import run_order
+
 __all__ = ["TurnPipe", "run_in_turns", "turn_order"]
 
 BOOT_TIMEOUT_S = 900.0
@@ -75,13 +77,10 @@ class TurnPipe:
         self._done.write("done\n")
 
 
-def turn_order(names: list[str], turns: int, *, reverse_first: bool = False) -> list[str]:
-    """Every turn in order: ``names`` ``turns`` times, reversed every other round."""
-    order: list[str] = []
-    for k in range(turns):
-        seq = names if (k % 2 == 0) != reverse_first else list(reversed(names))
-        order.extend(seq)
-    return order
+def turn_order(names: list[str], turns: int) -> list[str]:
+    """Every turn in order: ``names`` ``turns`` times, reversed every other round (as ``--repeat``
+    orders its repeats: ``repeats.run_order``)."""
+    return [name for order in run_order(names, turns) for name in order]
 
 
 class _Worker:
@@ -161,8 +160,7 @@ class _Worker:
 
 
 def run_in_turns(specs: list[dict[str, Any]], requests: int, env_of: Callable[[dict[str, Any]], dict[str, str]], *,
-                 reverse_first: bool = False, module: str = "hicache.bench.vllm_worker",
-                 progress: bool = True) -> dict[str, dict[str, Any]]:
+                 module: str = "hicache.bench.vllm_worker", progress: bool = True) -> dict[str, dict[str, Any]]:
     """Start every spec's process at once, grant ``requests`` turns to each, return their results."""
     workers: dict[str, _Worker] = {}
     bar = None
@@ -171,7 +169,7 @@ def run_in_turns(specs: list[dict[str, Any]], requests: int, env_of: Callable[[d
             workers[s["configuration"]] = _Worker(s["configuration"], s, env_of(s), module)
         for w in workers.values():
             w.expect("ready", BOOT_TIMEOUT_S)
-        order = turn_order(list(workers), requests, reverse_first=reverse_first)
+        order = turn_order(list(workers), requests)
         if progress:
             from tqdm import tqdm
 

@@ -61,7 +61,8 @@ def host_mirror(node: TreeNode) -> bool:
 
 _WANTED: tuple[Callable[[TreeNode], bool], ...] = (device_leaf, host_leaf, host_mirror)
 _QUEUED = (2, 4, 8)  # TreeNode.marks bits: queued in heap DEVICE_LEAF / HOST_LEAF / HOST_MIRROR
-_FLAT_KEYS = (LRUPolicy, LFUPolicy, FIFOPolicy, PriorityPolicy, ScanResistantLRUPolicy)  # keys: fixed-length tuples ending in the id
+# keys: fixed-length tuples ending in the id
+_FLAT_KEYS = (LRUPolicy, LFUPolicy, FIFOPolicy, PriorityPolicy, ScanResistantLRUPolicy)
 _Entry = tuple[Any, ...]
 
 
