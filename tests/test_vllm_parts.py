@@ -91,6 +91,16 @@ def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit
     copy_all(layout.copy_in_pairs(layout.pages_view(tier.layer_view(layer)), layout.blocks_view(again),
                                   layout.runs(block_ids, first, tier_pages[first:])))
     assert torch.equal(again, target)
+    # Run by run in one call for every layer (what a step's load and save do): the same blocks and pages.
+    layers = [vllm_layer, torch.randn((nb, heads, bs, 2 * dim), generator=gen).to(dtype)]
+    both = _tier(kind, page_size, heads, dim, 10 + num_pages, dtype=dtype)
+    copy_all([pair for i, kv in enumerate(layers) for pair in layout.copy_out_runs(
+        layout.blocks_view(kv), layout.pages_view(both.layer_view(i)), runs)])
+    assert torch.equal(both.layer_view(0), tier.layer_view(layer))  # the same pages as the one-layer save
+    for i, kv in enumerate(layers):
+        fresh = torch.zeros_like(kv)
+        copy_all(layout.copy_in_runs(layout.pages_view(both.layer_view(i)), layout.blocks_view(fresh), runs))
+        assert all(torch.equal(fresh[b], kv[b]) for b in block_ids) and not fresh[0].any()
 
 
 def test_a_page_size_that_does_not_divide_the_block_size_or_a_foreign_layout_is_refused() -> None:

@@ -133,23 +133,30 @@ class BlockLayout:
 
     def copy_in(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> None:
         """hicache -> vLLM: a ``pages_view``'s pages into a ``blocks_view``'s blocks."""
-        for run in runs:
-            _copy(self._blocks(blocks, run), _permute(pages[run.page : run.page + run.length], (0, 3, 1, 2, 4)))
-
-    def copy_in_pairs(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> list[tuple[Any, Any]]:
-        """``copy_in``'s copies as ``(dst, src)`` views, one page each, for ``copy_all``."""
-        out = []
-        for run in runs:
-            for i in range(run.length):  # page i of the run: the next block, or the next sub-block of one
-                one = (CopyRun(run.block + i, 0, run.page + i, 1) if self.per_block == 1
-                       else CopyRun(run.block, run.sub + i, run.page + i, 1))
-                out.append((self._blocks(blocks, one), _permute(pages[one.page : one.page + 1], (0, 3, 1, 2, 4))))
-        return out
+        for dst, src in self.copy_in_runs(pages, blocks, runs):
+            _copy(dst, src)
 
     def copy_out(self, blocks: Any, pages: Any, runs: list[CopyRun]) -> None:
         """vLLM -> hicache, the inverse of ``copy_in``."""
-        for run in runs:
-            _copy(pages[run.page : run.page + run.length], _permute(self._blocks(blocks, run), (0, 2, 3, 1, 4)))
+        for dst, src in self.copy_out_runs(blocks, pages, runs):
+            _copy(dst, src)
+
+    def copy_in_runs(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> list[tuple[Any, Any]]:
+        """``copy_in``'s copies as ``(dst, src)`` views, one per run, for ``copy_all``."""
+        return [(self._blocks(blocks, run), _permute(pages[run.page : run.page + run.length], (0, 3, 1, 2, 4)))
+                for run in runs]
+
+    def copy_out_runs(self, blocks: Any, pages: Any, runs: list[CopyRun]) -> list[tuple[Any, Any]]:
+        """``copy_out``'s copies as ``(dst, src)`` views, one per run, for ``copy_all``."""
+        return [(pages[run.page : run.page + run.length], _permute(self._blocks(blocks, run), (0, 2, 3, 1, 4)))
+                for run in runs]
+
+    def copy_in_pairs(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> list[tuple[Any, Any]]:
+        """``copy_in``'s copies as ``(dst, src)`` views, one page each, for ``copy_all``."""
+        # Page i of a run: the next block, or the next sub-block of one.
+        one_page = [CopyRun(run.block + i, 0, run.page + i, 1) if self.per_block == 1
+                    else CopyRun(run.block, run.sub + i, run.page + i, 1) for run in runs for i in range(run.length)]
+        return self.copy_in_runs(pages, blocks, one_page)
 
     def load(self, tier_layer: torch.Tensor, kv: torch.Tensor, runs: list[CopyRun]) -> None:
         """hicache -> vLLM: one layer's pages (``tier.layer_view(layer)``) into its blocks."""
