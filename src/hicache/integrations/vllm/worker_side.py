@@ -12,10 +12,11 @@ on vLLM's thread either way on the CPU; one call a step instead of one a layer g
 once, not 30 times beside the cache's threads (the connector's load and save took 4.0 ms a
 request layer by layer, 3.3 ms at once, one run each). ``end_step`` then hands the step to the
 cache's loop, which commits the saved pages (hicache then writes them to storage in the
-background) and releases every lease, steps in order, while vLLM goes on with the next step. A load that comes up short is reported as failed
-blocks, which vLLM recomputes (``kv_load_failure_policy="recompute"``); a request whose load
-failed saves nothing that step, nor does a step whose forward did not reach every layer. Without
-a host tier the pages live on the device tier instead, by the same path.
+background) and releases every lease, steps in order, while vLLM goes on with the next step. A
+load that comes up short is reported as failed blocks, which vLLM recomputes
+(``kv_load_failure_policy="recompute"``); a request whose load failed saves nothing that step,
+nor does a step whose forward did not reach every layer. Without a host tier the pages live on
+the device tier instead, by the same path.
 """
 
 from __future__ import annotations
@@ -240,8 +241,8 @@ class WorkerSide:
 
     def before_layer(self, name: str) -> None:
         """Before the step's first attention layer: every layer of its held pages is copied into
-        vLLM's blocks, in one call into torch (``copy_all``). On the CPU a copy runs on vLLM's
-        thread either way, and one call for all layers spares 2 x 30 Python round trips a request."""
+        vLLM's blocks, in one call into torch (``copy_all``): on the CPU a copy runs on vLLM's
+        thread either way, and one call gives the GIL up once, not once a layer."""
         step = self._step
         if step is None or not step.loads or step.loaded or name not in self.layers:
             return
