@@ -10,9 +10,11 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,36 @@ def unavailable(reason: str) -> None:
     if os.environ.get(REQUIRE_ENV) == "1":
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1: a skip is a failure here)", pytrace=False)
     pytest.skip(reason)
+
+
+@contextmanager
+def stalled(pid: int, timeout_s: float = 5.0) -> Iterator[None]:
+    """A server frozen by SIGSTOP (the kernel still accepts its connections, nothing answers), and let
+    go with SIGCONT on exit.
+
+    The kill returns before the process has stopped: the kernel wakes one thread to carry out the stop,
+    and until that thread is scheduled (milliseconds on a loaded machine) the others keep serving. So
+    this waits until every thread of it is seen stopped in ``/proc``.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        tasks = Path(f"/proc/{pid}/task")
+        deadline = time.monotonic() + timeout_s
+        while tasks.exists() and not all(_thread_stopped(t) for t in tasks.iterdir()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process {pid} is not stopped {timeout_s} s after SIGSTOP")
+            time.sleep(0.001)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _thread_stopped(task: Path) -> bool:
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return True  # the thread is gone
+    return stat[stat.rindex(")") + 2] in "tT"  # the state follows the command name in parentheses
 
 
 def start_valkey(workdir: Path, *, password: str | None = None) -> ServerProcess:

@@ -4,8 +4,6 @@ both protocols' nulls are misses, and a server that stops answering costs ``time
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from hicache.tiers.storage.page_format import HEADER_BYTES
 from hicache.tiers.storage.redis import RedisBackend
 from hicache.tiers.storage.redis_pages import get_into, set_from
 
-from .servers import ServerProcess, start_valkey
+from .servers import ServerProcess, stalled, start_valkey
 
 PAYLOAD = 3 << 20  # bigger than a socket buffer: a value arrives in pieces
 
@@ -92,16 +90,13 @@ async def test_a_stalled_server_costs_timeout_s_and_is_used_again(valkey: Server
     async with backend(valkey, timeout_s=1.0) as b:
         assert await b.set([key(0)], [page(0)]) == 1
         assert valkey.proc is not None
-        os.kill(valkey.proc.pid, signal.SIGSTOP)
-        try:
+        with stalled(valkey.proc.pid):
             started = time.monotonic()
             with pytest.raises(StorageTimeoutError):
                 await b.get([key(0)], empty(1))
             with pytest.raises(StorageTimeoutError):
                 await b.set([key(i) for i in range(1, 9)], [page(i) for i in range(1, 9)])  # more than buffers hold
             assert time.monotonic() - started < 4
-        finally:
-            os.kill(valkey.proc.pid, signal.SIGCONT)
         out = empty(1)
         assert await b.get([key(0)], out) == 1 and same(out[0], page(0))
         assert await b.set([key(1)], [page(1)]) == 1

@@ -26,7 +26,7 @@ from hicache.errors import ConfigError
 from hicache.tiers.storage.s3 import S3Backend
 
 from .conftest import make_config, make_kv, make_tokens
-from .servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, start_seaweedfs
+from .servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, stalled, start_seaweedfs
 from .test_storage_backends import PAGE, empty, key, page
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -234,23 +234,18 @@ async def test_the_server_killed_mid_run_then_back(s3: S3Server) -> None:
 
 async def test_a_stalled_server_costs_timeout_s_per_call_not_a_hang(s3: S3Server) -> None:
     """SIGSTOP: connections are accepted by the kernel but nothing answers, as a hung gateway would."""
-    import signal
-
     from hicache.errors import StorageTimeoutError
 
     async with S3Backend(**s3.settings(key_prefix=prefix(), timeout_s=1.0)) as b:
         assert await b.set([key(0)], [page(0)]) == 1
         assert s3.process.proc is not None
-        os.kill(s3.process.proc.pid, signal.SIGSTOP)
-        try:
+        with stalled(s3.process.proc.pid):
             started = time.monotonic()
             with pytest.raises(StorageTimeoutError):
                 await b.get([key(0)], empty(1))
             with pytest.raises(StorageTimeoutError):
                 await b.set([key(1)], [page(1)])
             assert time.monotonic() - started < 4
-        finally:
-            os.kill(s3.process.proc.pid, signal.SIGCONT)
         assert b.stats().timeouts == 2
         deadline = time.monotonic() + 10
         while True:  # used again once it answers
