@@ -71,6 +71,7 @@ def test_the_multiturn_benchmark_runs_end_to_end_and_reports_every_field(tmp_pat
         "ttft_device_only_over_hierarchical", "ttft_warm_restart_over_hierarchical", "ttft_hierarchical_over_oracle",
     } <= set(report["targets"])
     assert on_disk["configurations"]["device-only"]["cache_config"]["tiers"]["host"]["capacity"] == "0B"
+    assert not (out / "pages").exists()  # the file tier warm-restart read from is scratch: gone when the run ends
 
 
 @pytest.mark.slow
@@ -336,3 +337,35 @@ def test_prefills_that_shared_a_step_are_counted() -> None:
     assert _shared_prefills(batched + alternated) == 2
     assert _shared_prefills(alternated) == 0
     assert _shared_prefills([rec(0.0, 1.0)]) == 0
+
+
+def test_a_runs_tier_pages_are_removed_when_it_ends_unless_kept(tmp_path: Path) -> None:
+    from hicache.bench.scratch import pages_removed
+
+    def tier(name: str) -> Path:
+        folder = tmp_path / name / "ab"
+        folder.mkdir(parents=True)
+        (folder / "page.kv").write_bytes(b"x" * 100)
+        return tmp_path / name
+
+    pages, other = tier("pages"), tier("mine")
+    (tmp_path / "results.json").write_text("{}")
+    with pages_removed([pages, tmp_path / "never-made"]):
+        assert (pages / "ab" / "page.kv").exists()
+    assert not pages.exists() and (other / "ab" / "page.kv").exists() and (tmp_path / "results.json").exists()
+
+    pages = tier("pages")
+    with pytest.raises(KeyboardInterrupt), pages_removed([pages]):
+        raise KeyboardInterrupt  # a run cut short leaves nothing either
+    assert not pages.exists()
+
+    pages = tier("pages")
+    with pages_removed([pages], keep=True):
+        pass
+    assert (pages / "ab" / "page.kv").exists()
+
+    pages.rename(tmp_path / "target")
+    pages.symlink_to(tmp_path / "target")  # not a folder the run made: left alone, and not followed
+    with pages_removed([pages]):
+        pass
+    assert (tmp_path / "target" / "ab" / "page.kv").exists()

@@ -55,3 +55,4 @@ def test_bench_serve_drives_vllm_serve_over_http_and_reports_the_figures(tmp_pat
     profile = w["connector_profile"]
     assert profile["saved_tokens"] >= 4 * 128 and profile["loads_cut_short"] == 0
     assert w["targets"]["outputs_differing"]["met"] and w["targets"]["loads_cut_short"]["met"]
+    assert not (out / "pages-multiturn-vllm-hicache").exists()  # the file tier's pages: removed when the run ends

@@ -41,6 +41,7 @@ def test_bench_vllm_runs_every_configuration_and_reports_identical_outputs_and_t
     assert profile["hooks_per_request"]["worker.save"]["calls"] > 0 and profile["critical_path_ms_per_request"] > 0
     assert profile["loads_cut_short"] == 0
     assert {"ttft_gap_ms", "connector_ms", "recompute_ms", "other_ms"} <= set(report["ttft_breakdown"])
+    assert "of tier pages" in proc.stderr and not (tmp_path / "out" / "pages").exists()  # scratch, removed at the end
 
 
 def test_bench_vllm_interleave_runs_the_configurations_together_taking_turns(tmp_path: Path) -> None:

@@ -36,7 +36,8 @@ from .report import (
     outputs_of,
     plot,
 )
-from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing
+from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing, lossy_pages_dir
+from .scratch import add_keep_pages_argument, pages_removed
 from .serve_bench import add_parser as add_serve_parser
 from .serve_bench import run_serve_benchmark
 from .vllm_bench import add_parser as add_vllm_parser
@@ -56,6 +57,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, in run order, from {', '.join(CONFIGURATIONS)} (default: %(default)s)")
     g.add_argument("--config", default=None, help="base hicache YAML (default: the packaged config/bench.yaml)")
     g.add_argument("--out", default=None, help="folder for results.json, plot.png and the file tier")
+    add_keep_pages_argument(g)
     g.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson (default: inf)")
     g.add_argument("--max-parallel", type=int, default=2, help="requests in flight from the clients")
     g.add_argument("--sequential", action="store_true",
@@ -176,17 +178,18 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     lossy_pair = {"lossy", "no-cache"} if {"lossy", "no-cache"} <= set(configs) and not args.interleave else set()
     orders = run_order(configs, args.repeat)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-    for k, order in enumerate(orders):
-        if args.repeat > 1:
-            print(f"  repeat {k + 1} of {args.repeat}: {' '.join(order)}", file=sys.stderr)
-        if args.interleave:
-            together = _run_worker(RunSpec(**{**asdict(base), "configuration": "interleaved", "interleave": order}))
+    with pages_removed([Path(base.pages_dir), Path(lossy_pages_dir(base.pages_dir))], args.keep_pages):
+        for k, order in enumerate(orders):
+            if args.repeat > 1:
+                print(f"  repeat {k + 1} of {args.repeat}: {' '.join(order)}", file=sys.stderr)
+            if args.interleave:
+                together = _run_worker(RunSpec(**{**asdict(base), "configuration": "interleaved", "interleave": order}))
+                for name in order:
+                    runs[name].append(together[name])
+                continue
             for name in order:
-                runs[name].append(together[name])
-            continue
-        for name in order:
-            spec = RunSpec(**{**asdict(base), "configuration": name, "first_logits": name in lossy_pair})
-            runs[name].append(_run_worker(spec))
+                spec = RunSpec(**{**asdict(base), "configuration": name, "first_logits": name in lossy_pair})
+                runs[name].append(_run_worker(spec))
     results = {name: pool(rs) for name, rs in runs.items()}
     summaries = {name: summarise_runs(rs) for name, rs in runs.items()}
     add_oracle_ratios(summaries)

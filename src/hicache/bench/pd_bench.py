@@ -49,6 +49,7 @@ from .models import smollm2_dir
 from .pd_tiers import LoadedRaw, SharedTier, start_tier
 from .profiling import cpu_pressure
 from .report import _grid, outputs_of, summarise
+from .scratch import add_keep_pages_argument, pages_removed
 from .serve_bench import add_workload_arguments, longest_context, serve_sizes, workload_of
 from .serve_run import run_workload
 from .vllm_bench import _finite, _geometry
@@ -75,6 +76,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--configs", default=",".join(DEFAULT_CONFIGURATIONS),
                    help=f"comma-separated, in run order, from {', '.join(CONFIGURATIONS)}")
     g.add_argument("--out", default=None, help="folder for the results, logs and scrapes")
+    add_keep_pages_argument(g)
     g.add_argument("--max-running", type=int, default=None, help="vLLM's --max-num-seqs (default: --max-parallel)")
     g.add_argument("--kv-fraction", type=float, default=0.25,
                    help="each server's KV memory / the workload's KV, at least the running batch at the longest context")
@@ -492,15 +494,17 @@ def run_pd_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "runs": {}, "workloads": {},
     }
     failed: dict[str, str] = {}
-    for config in configs:
-        print(f"hicache bench pd: {config}", file=sys.stderr)
-        try:
-            report["runs"][config] = run_config(config, args, workloads, sizes, geo, out)
-        except Exception as exc:  # one configuration's failure is reported; the others still run
-            failed[config] = f"{type(exc).__name__}: {_first_line(exc)}"
-            print(f"hicache bench pd: {config} FAILED: {failed[config]} (its servers' logs are in {out})",
-                  file=sys.stderr)
-        (out / "results.json").write_text(json.dumps(_finite(report | {"failed": failed}), indent=1, allow_nan=False))
+    with pages_removed([out / "example-kv"], args.keep_pages):
+        for config in configs:
+            print(f"hicache bench pd: {config}", file=sys.stderr)
+            try:
+                report["runs"][config] = run_config(config, args, workloads, sizes, geo, out)
+            except Exception as exc:  # one configuration's failure is reported; the others still run
+                failed[config] = f"{type(exc).__name__}: {_first_line(exc)}"
+                print(f"hicache bench pd: {config} FAILED: {failed[config]} (its servers' logs are in {out})",
+                      file=sys.stderr)
+            partial = json.dumps(_finite(report | {"failed": failed}), indent=1, allow_nan=False)
+            (out / "results.json").write_text(partial)
     report["failed"] = failed
     ran = [c for c in configs if c not in failed]
     base = ran[0] if ran else configs[0]

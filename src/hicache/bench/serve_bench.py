@@ -54,6 +54,7 @@ from .models import smollm2_dir
 from .profiling import cpu_pressure
 from .report import outputs_of, summarise
 from .serve_report import check_targets, format_report, plot_serve
+from .scratch import add_keep_pages_argument, pages_removed
 from .serve_run import run_workload
 from .vllm_bench import _finite, _geometry, default_config_path, size_table
 from .vllm_server import ServerSet, VllmServer
@@ -97,6 +98,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated, in run order")
     g.add_argument("--config", default=None, help="hicache YAML for the connector (default: config/vllm.yaml)")
     g.add_argument("--out", default=None, help="folder for the results, the scrapes and the file tier")
+    add_keep_pages_argument(g)
     g.add_argument("--max-running", type=int, default=None, help="vLLM's --max-num-seqs (default: --max-parallel)")
     g.add_argument("--kv-fraction", type=float, default=0.25,
                    help="vLLM's KV memory / the workload's KV, at least the running batch at the longest context")
@@ -147,6 +149,11 @@ def serve_sizes(args: argparse.Namespace, workload: MultiTurn | LongContext, tok
                       file_pages=(math.ceil(kv_tokens / bs) + workload.requests + 1) * 4)
 
 
+def hicache_pages(out: Path, label: str) -> Path:
+    """The file tier of ``label``'s server (scratch: removed when its workload ends)."""
+    return out / f"pages-{label}"
+
+
 def server_for(args: argparse.Namespace, name: str, label: str, sizes: dict[str, int], out: Path) -> VllmServer:
     """The ``vllm serve`` of configuration ``name`` (``label``: workload and configuration)."""
     kv_bytes = sizes["unbounded_kv_cache_bytes" if name == "vllm-unbounded" else "kv_cache_bytes"]
@@ -158,7 +165,7 @@ def server_for(args: argparse.Namespace, name: str, label: str, sizes: dict[str,
     ]
     engine_id = None
     if name == "vllm+hicache":
-        pages = out / f"pages-{label}"
+        pages = hicache_pages(out, label)
         shutil.rmtree(pages, ignore_errors=True)  # every run starts cold
         engine_id = f"hicache-bench-serve-{os.getpid()}-{label}"
         transfer = {
@@ -228,8 +235,10 @@ def run_one_workload(args: argparse.Namespace, name: str, configs: list[str], ou
           f"hicache host {sizes['host_tokens']:,} ({sizes['host_tokens'] / sizes['kv_tokens']:.0%}) + file tier; "
           f"VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every configuration", file=sys.stderr)
     results: dict[str, dict[str, Any]] = {}
-    servers = {c: server_for(args, c, f"{name}-{c.replace('+', '-')}", sizes, out) for c in configs}
+    labels = {c: f"{name}-{c.replace('+', '-')}" for c in configs}
+    servers = {c: server_for(args, c, labels[c], sizes, out) for c in configs}
     with ExitStack() as stack:
+        stack.enter_context(pages_removed([hicache_pages(out, label) for label in labels.values()], args.keep_pages))
         boot_s = _boot_together(servers, stack) if args.boot == "together" else None
         for config in configs:
             conversations = workload.conversations(geo["vocab"])

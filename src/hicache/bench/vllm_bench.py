@@ -43,6 +43,7 @@ from .breakdown import format_breakdown, format_step_profile, merge_stats, step_
 from .models import smollm2_dir
 from .repeats import run_order, summarise_runs
 from .report import format_rounds, format_table, outputs_of, plot
+from .scratch import add_keep_pages_argument, pages_removed
 from .vllm_turns import run_in_turns
 from .workloads import MultiTurn
 
@@ -62,6 +63,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated, in run order")
     g.add_argument("--config", default=None, help="hicache YAML for the connector (default: config/vllm.yaml)")
     g.add_argument("--out", default=None, help="folder for results.json, plot.png and the file tier")
+    add_keep_pages_argument(g)
     g.add_argument("--max-parallel", type=int, default=2, help="requests in flight from the clients")
     g.add_argument("--max-running", type=int, default=4, help="vLLM's max_num_seqs")
     g.add_argument("--ready-queue-policy", choices=["fifo", "random"], default="random")
@@ -255,18 +257,19 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("--interleave takes turns one request at a time: it needs --max-parallel 1")
     orders = run_order(configs, args.repeat)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
-    for k, order in enumerate(orders):
-        if args.repeat > 1:
-            print(f"  repeat {k + 1} of {args.repeat}: {' '.join(order)}", file=sys.stderr)
-        if args.interleave:
-            specs = [{**_spec(args, name, workload, sizes, out), "progress": False} for name in order]
-            together = run_in_turns(specs, workload.requests, lambda s: vllm_env(s["vllm_mode"], s["reserved_cpus"]),
-                                    progress=not args.quiet)
+    with pages_removed([out / "pages"], args.keep_pages):
+        for k, order in enumerate(orders):
+            if args.repeat > 1:
+                print(f"  repeat {k + 1} of {args.repeat}: {' '.join(order)}", file=sys.stderr)
+            if args.interleave:
+                specs = [{**_spec(args, name, workload, sizes, out), "progress": False} for name in order]
+                together = run_in_turns(specs, workload.requests,
+                                        lambda s: vllm_env(s["vllm_mode"], s["reserved_cpus"]), progress=not args.quiet)
+                for name in order:
+                    runs[name].append(together[name])
+                continue
             for name in order:
-                runs[name].append(together[name])
-            continue
-        for name in order:
-            runs[name].append(run_worker(_spec(args, name, workload, sizes, out)))
+                runs[name].append(run_worker(_spec(args, name, workload, sizes, out)))
     results = {name: _pooled(rs) for name, rs in runs.items()}
     summaries = {name: summarise_runs(rs) for name, rs in runs.items()}
     reference = outputs_of(runs[configs[0]][0]["records"])

@@ -32,6 +32,7 @@ from typing import Any
 
 from .models import smollm2_dir
 from .report import percentile
+from .scratch import add_keep_pages_argument, pages_removed
 from .vllm_bench import _geometry, add_vllm_process_arguments, default_config_path, run_worker
 
 __all__ = ["add_parser", "run_overhead_benchmark"]
@@ -58,6 +59,7 @@ def add_parser(sub: Any) -> None:
     g.set_defaults(vllm_mode="multi")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default=None, help="folder for results.json and the file tier")
+    add_keep_pages_argument(g)
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -204,10 +206,11 @@ def run_overhead_benchmark(args: argparse.Namespace) -> dict[str, Any]:
           f"{args.max_parallel} in flight, {args.repeats} interleaved pairs", file=sys.stderr)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CONFIGURATIONS}
     order: list[str] = []
-    for r in range(args.repeats):
-        for name in (CONFIGURATIONS if r % 2 == 0 else CONFIGURATIONS[::-1]):
-            order.append(name)
-            runs[name].append(run_worker(_spec(args, name, sizes, out / "pages")))
+    with pages_removed([out / "pages"], args.keep_pages):
+        for r in range(args.repeats):
+            for name in (CONFIGURATIONS if r % 2 == 0 else CONFIGURATIONS[::-1]):
+                order.append(name)
+                runs[name].append(run_worker(_spec(args, name, sizes, out / "pages")))
     pooled = {name: _pooled(rs) for name, rs in runs.items()}
     alone, cached = pooled["vllm"], pooled["vllm+hicache"]
     ratios = {
