@@ -72,7 +72,7 @@ def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit
     tier_pages = list(range(10, 10 + two)) + list(range(10 + two, 10 + num_pages))[::-1]
     runs = layout.runs(block_ids, 0, tier_pages)
     assert sum(r.length for r in runs) == num_pages and len(runs) < num_pages
-    layout.save(vllm_layer, tier.layer_view(layer), runs)
+    copy_all(layout.copy_out_runs(layout.blocks_view(vllm_layer), layout.pages_view(tier.layer_view(layer)), runs))
     pool = tier.layer_view(layer).unflatten(2, (page_size, heads, dim))  # [pages, C, ps, H, D]
     for t in (0, 1, page_size - 1, page_size, bs + 5, 2 * bs + 3, 3 * bs - 1):
         k, v = _token_kv(vllm_layer, block_ids[t // bs], t % bs, bs)
@@ -82,14 +82,14 @@ def test_pages_saved_from_vllm_blocks_hold_each_tokens_k_and_v_and_load_back_bit
     # Load pages of blocks 1.. of the request back into fresh blocks: exactly their slots change.
     target = torch.zeros_like(vllm_layer)
     first = bs // page_size  # from the second block on
-    layout.load(tier.layer_view(layer), target, layout.runs(block_ids, first, tier_pages[first:]))
+    later = layout.runs(block_ids, first, tier_pages[first:])
+    copy_all(layout.copy_in_runs(layout.pages_view(tier.layer_view(layer)), layout.blocks_view(target), later))
     assert torch.equal(target[block_ids[1]], vllm_layer[block_ids[1]])
     assert torch.equal(target[block_ids[2]], vllm_layer[block_ids[2]])
     assert not target[block_ids[0]].any() and not target[0].any()
     # The same load as page-by-page pairs in one call (what a hand-off's receive does): the same blocks.
     again = torch.zeros_like(vllm_layer)
-    copy_all(layout.copy_in_pairs(layout.pages_view(tier.layer_view(layer)), layout.blocks_view(again),
-                                  layout.runs(block_ids, first, tier_pages[first:])))
+    copy_all(layout.copy_in_pairs(layout.pages_view(tier.layer_view(layer)), layout.blocks_view(again), later))
     assert torch.equal(again, target)
     # Run by run in one call for every layer (what a step's load and save do): the same blocks and pages.
     layers = [vllm_layer, torch.randn((nb, heads, bs, 2 * dim), generator=gen).to(dtype)]

@@ -37,6 +37,13 @@ def pages_removed(folders: Iterable[Path], keep: bool = False) -> Iterator[None]
 
 
 def _remove(folder: Path) -> int:
-    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+    """Remove ``folder``; return the bytes its files held. Never raises: it runs in a ``finally``,
+    where an error would hide the run's own."""
+    size = 0
+    for path in folder.rglob("*"):
+        try:
+            size += path.lstat().st_size if path.is_file() and not path.is_symlink() else 0
+        except OSError:
+            pass  # gone meanwhile
     shutil.rmtree(folder, ignore_errors=True)
     return size

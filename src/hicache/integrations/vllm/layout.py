@@ -131,40 +131,24 @@ class BlockLayout:
 
     # -- copies ---------------------------------------------------------------------------------
 
-    def copy_in(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> None:
-        """hicache -> vLLM: a ``pages_view``'s pages into a ``blocks_view``'s blocks."""
-        for dst, src in self.copy_in_runs(pages, blocks, runs):
-            _copy(dst, src)
-
-    def copy_out(self, blocks: Any, pages: Any, runs: list[CopyRun]) -> None:
-        """vLLM -> hicache, the inverse of ``copy_in``."""
-        for dst, src in self.copy_out_runs(blocks, pages, runs):
-            _copy(dst, src)
-
     def copy_in_runs(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> list[tuple[Any, Any]]:
-        """``copy_in``'s copies as ``(dst, src)`` views, one per run, for ``copy_all``."""
+        """hicache -> vLLM: a ``pages_view``'s pages into a ``blocks_view``'s blocks, as ``(dst, src)``
+        views, one per run, for ``copy_all``."""
         return [(self._blocks(blocks, run), _permute(pages[run.page : run.page + run.length], (0, 3, 1, 2, 4)))
                 for run in runs]
 
     def copy_out_runs(self, blocks: Any, pages: Any, runs: list[CopyRun]) -> list[tuple[Any, Any]]:
-        """``copy_out``'s copies as ``(dst, src)`` views, one per run, for ``copy_all``."""
+        """vLLM -> hicache, the inverse of ``copy_in_runs``."""
         return [(pages[run.page : run.page + run.length], _permute(self._blocks(blocks, run), (0, 2, 3, 1, 4)))
                 for run in runs]
 
     def copy_in_pairs(self, pages: Any, blocks: Any, runs: list[CopyRun]) -> list[tuple[Any, Any]]:
-        """``copy_in``'s copies as ``(dst, src)`` views, one page each, for ``copy_all``."""
+        """``copy_in_runs``'s copies one page each: each under torch's grain, so a cache thread's copies
+        (a hand-off's receive) wake none of vLLM's OpenMP threads (``copy_all``)."""
         # Page i of a run: the next block, or the next sub-block of one.
         one_page = [CopyRun(run.block + i, 0, run.page + i, 1) if self.per_block == 1
                     else CopyRun(run.block, run.sub + i, run.page + i, 1) for run in runs for i in range(run.length)]
         return self.copy_in_runs(pages, blocks, one_page)
-
-    def load(self, tier_layer: torch.Tensor, kv: torch.Tensor, runs: list[CopyRun]) -> None:
-        """hicache -> vLLM: one layer's pages (``tier.layer_view(layer)``) into its blocks."""
-        self.copy_in(self.pages_view(tier_layer), self.blocks_view(kv), runs)
-
-    def save(self, kv: torch.Tensor, tier_layer: torch.Tensor, runs: list[CopyRun]) -> None:
-        """vLLM -> hicache, the inverse of ``load``."""
-        self.copy_out(self.blocks_view(kv), self.pages_view(tier_layer), runs)
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
