@@ -11,8 +11,8 @@ deprecation warnings at import are not ours to fail on).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
