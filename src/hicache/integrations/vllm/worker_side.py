@@ -103,8 +103,10 @@ class WorkerSide:
             cpus = reserved_cpus()
             if cpus is not None:  # before the cache starts: its I/O threads inherit the loop thread's CPUs
                 self.portal.call(use_cpus, cpus[1])
-                log.info("hicache: the cache's threads run on CPUs %s (vLLM's reserved cores; its OpenMP threads "
+                log.info("hicache: the cache's threads run on CPUs %s (vLLM's reserved cores; its threads "
                          "are bound to %s)", sorted(cpus[1]), sorted(cpus[0]))
+            else:
+                log.info("hicache: no CPU is left over from vLLM's threads; the cache's threads run beside them")
             self.service = self._exit.enter_context(
                 self.portal.wrap_async_context_manager(CacheService(self.config, self.socket_path, self.options))
             )
