@@ -26,7 +26,10 @@ options of SGLang's benchmark scripts:
 
 Every configuration of a run has the same ``VLLM_CPU_NUM_OF_RESERVED_CPU`` (``--reserved-cpus``):
 vLLM reserves a core more for a server with a KV connector, which on a small machine would give
-``vllm+hicache`` more cores to compute on. Output in ``--out``: the table, ``results.json`` (every
+``vllm+hicache`` more cores to compute on. The default, 0, gives the model every core in every
+configuration (vLLM's engine core, its API server and the cache's threads share them): on a
+2-core machine reserving one leaves the model one core and the run takes half as long again.
+Output in ``--out``: the table, ``results.json`` (every
 request, the connector's step profile, the TTFT breakdown against the limit), ``plot.png``, and
 each configuration's Prometheus scrapes (``metrics-<workload>-<configuration>.prom``: vLLM's
 ``/metrics`` with hicache's families; ``...-worker.prom``: the connector worker's own).
@@ -104,8 +107,9 @@ def add_parser(sub: Any) -> None:
                    help="vLLM's KV memory / the workload's KV, at least the running batch at the longest context")
     g.add_argument("--host-fraction", type=float, default=0.5, help="hicache's host tier / the workload's KV")
     g.add_argument("--block-size", type=int, default=128, help="vLLM's block size")
-    g.add_argument("--reserved-cpus", type=int, default=1,
-                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration (equal cores on all sides)")
+    g.add_argument("--reserved-cpus", type=int, default=0,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration (equal cores on all sides; "
+                        "default 0: the model computes on every core)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
     g.add_argument("--boot", choices=["together", "in-turn"], default="together",
