@@ -24,16 +24,14 @@ if sys.argv[2] == "unbound":  # a thread started before the binding keeps every 
     threading.Thread(target=threading.Event().wait, args=(30,), daemon=True).start()
 os.sched_setaffinity(0, {cpus[0]})  # as libgomp binds the main thread when it loads, before any other starts
 from hicache.integrations.vllm.cpus import model_cpus, reserved_cpus
-release, bound = threading.Event(), []
+release, bound = threading.Event(), threading.Barrier(threads + 1, timeout=30)
 def member(cpu):
     os.sched_setaffinity(0, {cpu})
-    bound.append(cpu)
+    bound.wait()
     release.wait(30)
-team = [threading.Thread(target=member, args=(cpus[1 + i],)) for i in range(threads)]
-for t in team:
-    t.start()
-while len(bound) < threads:
-    pass
+for i in range(threads):
+    threading.Thread(target=member, args=(cpus[1 + i],)).start()
+bound.wait()  # every member is bound
 found = reserved_cpus()
 print(json.dumps({"cpus": cpus, "model": sorted(model_cpus()),
                   "reserved": None if found is None else [sorted(found[0]), sorted(found[1])]}))
@@ -42,8 +40,8 @@ release.set()
 
 
 def _bind(threads: int, unbound: bool = False) -> dict:
-    done = subprocess.run([sys.executable, "-c", BIND, str(threads), "unbound" if unbound else "-"], capture_output=True, text=True, timeout=60,
-                          check=True)
+    argv = [sys.executable, "-c", BIND, str(threads), "unbound" if unbound else "-"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
     return json.loads(done.stdout)
 
 
