@@ -56,6 +56,7 @@ from hicache.keys import TenantKey  # noqa: E402
 from hicache.tiers.base import KVGeometry  # noqa: E402
 from hicache.tiers.host import HostPool  # noqa: E402
 from hicache.tiers.storage.base import PageIO  # noqa: E402
+from hicache.tiers.storage.nixl import peer_auth  # noqa: E402
 from hicache.tiers.storage.nixl import peer_wire as wire  # noqa: E402
 from hicache.tiers.storage.nixl.agent import NixlAgent, nixl_available, pair  # noqa: E402
 from hicache.tiers.storage.nixl.peer import NixlPeerBackend  # noqa: E402
@@ -106,10 +107,12 @@ async def serve(args: argparse.Namespace) -> None:
 def locate_all(port: int, names: list[bytes]) -> tuple[bytes, int, int, list[wire.Located]]:
     """The producer's agent metadata, arena bounds and every page's ranges (for the raw READ)."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
-        wire.send_frame(sock, wire.HELLO)
-        metadata, address, size = wire.decode_hello(wire.recv_frame(sock)[1])
-        wire.send_frame(sock, wire.LOCATE, wire.encode_keys(names))
-        _, pages = wire.decode_located(wire.recv_frame(sock)[1], size, len(names))
+        deadline = time.monotonic() + 30
+        key, _ = peer_auth.peer_key(None, None)  # loopback, no secret: the exchange of a producer without one
+        channel, hello = peer_auth.client_handshake(sock, key, deadline)
+        metadata, address, size = wire.decode_hello(hello)
+        channel.send(wire.LOCATE, wire.encode_keys(names), deadline)
+        _, pages = wire.decode_located(channel.recv(deadline)[1], size, len(names))
     assert len(pages) == len(names), f"the producer has {len(pages)} of {len(names)} pages"
     return metadata, address, size, pages
 

@@ -287,17 +287,39 @@ class SlowIOBackend(KernelIOBackend):
         super().copy(src, dst, plan, layer=layer)
 
 
+#: What a dripping ``nixl-peer`` fake announces: a frame of 8 MiB, then sent one byte at a time.
+DRIP_FRAME = (8 * 1024**2).to_bytes(4, "little") + b"K"
+
+
+def _drip(sock: Any, stop: threading.Event, every_s: float, for_s: float) -> None:
+    """Announce a large frame on ``sock`` and send its body one byte every ``every_s``, for ``for_s``
+    at most (so a client that waits byte by byte is held that long, then the connection closes)."""
+    end = time.monotonic() + for_s
+    try:
+        sock.sendall(DRIP_FRAME)
+        while not stop.wait(every_s) and time.monotonic() < end:
+            sock.sendall(b"\0")
+    except OSError:
+        pass
+    finally:
+        sock.close()
+
+
 class FakeProducer:
     """A fault-injecting stand-in for a ``nixl-peer`` producer's metadata server, on loopback.
 
     ``mode="silent"`` accepts connections and never answers; ``mode="garbage"`` answers every frame
-    with bytes that are no valid answer. ``stop()`` closes everything.
+    with bytes that are no valid answer; ``mode="drip"`` answers the first frame with a large frame
+    sent one byte every ``drip_every_s`` (for ``drip_for_s`` at most); ``mode="impostor"`` plays the
+    authentication exchange without the secret (a challenge, then takes any proof and answers HELLO
+    with a MAC it cannot make). ``stop()`` closes everything.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, *, drip_every_s: float = 0.1, drip_for_s: float = 8.0) -> None:
         import socket
 
         self.mode = mode
+        self.drip_every_s, self.drip_for_s = drip_every_s, drip_for_s
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._stop = threading.Event()
@@ -318,6 +340,32 @@ class FakeProducer:
                     sock.sendall(b"\xff\xff\xff\x7fHgarbage")  # a frame length over the limit
                 except OSError:
                     pass
+            elif self.mode == "drip":
+                threading.Thread(target=self._drip_after_request, args=(sock,), daemon=True).start()
+            elif self.mode == "impostor":
+                threading.Thread(target=self._impostor, args=(sock,), daemon=True).start()
+
+    def _impostor(self, sock: Any) -> None:
+        import os
+
+        from hicache.tiers.storage.nixl import peer_wire as wire
+
+        deadline = time.monotonic() + 5
+        try:
+            wire.recv_frame(sock, deadline)  # AUTH
+            wire.send_frame(sock, wire.OK, wire.MAGIC + os.urandom(32), deadline)
+            wire.recv_frame(sock, deadline)  # the consumer's proof, not checked
+            wire.send_frame(sock, wire.OK, os.urandom(64), deadline)  # "HELLO", with no valid MAC
+            self._stop.wait(5)
+        except (OSError, ConnectionError):
+            pass
+
+    def _drip_after_request(self, sock: Any) -> None:
+        try:
+            sock.recv(65536)
+        except OSError:
+            return
+        _drip(sock, self._stop, self.drip_every_s, self.drip_for_s)
 
     def stop(self) -> None:
         import socket
@@ -331,3 +379,94 @@ class FakeProducer:
         for sock in self._socks:
             sock.close()
         self._thread.join(5)
+
+
+class DrippingProxy:
+    """A fault-injecting relay in front of a real ``nixl-peer`` producer, on loopback.
+
+    It passes every frame both ways unchanged (the handshake and HELLO included, so the consumer is
+    authenticated and connected for real) until the consumer sends a request whose op is in
+    ``drip_on``; the producer's answer to it is swallowed and replaced by a large frame sent one byte
+    every ``drip_every_s`` (for ``drip_for_s`` at most): a producer that goes slow mid-exchange.
+    """
+
+    def __init__(self, target: tuple[str, int], *, drip_on: bytes = b"L", drip_every_s: float = 0.1,
+                 drip_for_s: float = 8.0) -> None:
+        import socket
+
+        self.target, self.drip_on = target, drip_on
+        self.drip_every_s, self.drip_for_s = drip_every_s, drip_for_s
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._socks: list[Any] = []
+        #: Answers replaced by a drip so far.
+        self.dripped = 0
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(self.target, timeout=5)
+                server.settimeout(None)
+            except OSError:
+                return
+            self._socks += [client, server]
+            pending = threading.Event()  # set: the next answer is to be dripped
+            threading.Thread(target=self._relay, args=(client, server, pending, True), daemon=True).start()
+            threading.Thread(target=self._relay, args=(server, client, pending, False), daemon=True).start()
+
+    def _relay(self, src: Any, dst: Any, pending: threading.Event, requests: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                header = _read_exactly(src, 5)
+                body = _read_exactly(src, int.from_bytes(header[:4], "little") - 1)
+                if requests:
+                    if header[4:5] in self.drip_on:
+                        pending.set()
+                    dst.sendall(header + body)
+                elif pending.is_set():
+                    self.dripped += 1
+                    _drip(dst, self._stop, self.drip_every_s, self.drip_for_s)
+                    return
+                else:
+                    dst.sendall(header + body)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        import socket
+
+        self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for sock in self._socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        self._thread.join(5)
+
+
+def _read_exactly(sock: Any, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise OSError("closed")
+        data += chunk
+    return data

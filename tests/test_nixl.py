@@ -159,7 +159,8 @@ def test_nixl_peer_settings_name_a_role_and_addresses() -> None:
         NixlPeerBackend(peers=["no-port"])
     with pytest.raises(ConfigError, match="host:port"):
         NixlPeerBackend(listen="127.0.0.1:99999")
-    assert NixlPeerBackend(listen="[::1]:0", peers=["prefill-0.internal:7400"]).settings.peers
+    token = "a-token-of-16-characters-or-more"
+    assert NixlPeerBackend(listen="[::1]:0", peers=["prefill-0.internal:7400"], peer_token=token).settings.peers
 
 
 def _spawn(*args: str) -> subprocess.Popen[str]:

@@ -140,9 +140,12 @@ def storage_tier_from_entry(
     memory it reads and writes (an engine's own host pool, ``StorageTier``'s ``source``).
     """
     batch_pages = max(1, config.controller.storage_batch_bytes // config.page_bytes)
+    cls = resolve_backend(entry.kind)
+    # A backend that authenticates its peers (``kind: nixl-peer``) derives its secret from the tenant
+    # key when it has no ``peer_token`` of its own.
+    extra = {"tenant_key": codec.tenant_key} if getattr(cls, "takes_tenant_key", False) else {}
     return StorageTier(
-        entry.tier_name, resolve_backend(entry.kind)(**entry.options), tier_page_codec(codec, entry), host,
-        batch_pages=batch_pages,
+        entry.tier_name, cls(**entry.options, **extra), tier_page_codec(codec, entry), host, batch_pages=batch_pages,
     )
 
 

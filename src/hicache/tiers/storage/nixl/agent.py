@@ -140,6 +140,9 @@ def pair(local: Sequence[Region], remote: Sequence[Region]) -> tuple[np.ndarray,
 #: 12 s; over TCP 1.1-1.2 GB/s either way). Transfers this process starts are progressed by its own
 #: polls (``run``); the thread serves the other side's (connection set-up, TCP's emulated reads).
 PROGRESS_DELAY_US = 1000
+#: The least time ``run`` waits for a request it gave up on to be cancelled (even with no time left
+#: of its own deadline: the caller's memory may still be written until then).
+RELEASE_WAIT_S = 1.0
 _construct = threading.Lock()
 
 
@@ -197,10 +200,11 @@ class NixlAgent:
 
     def run(
         self, op: str, local: np.ndarray, remote: np.ndarray, remote_agent: str | bytes, *, local_mem: str = "DRAM",
-        remote_mem: str = "DRAM", deadline_s: float,
+        remote_mem: str = "DRAM", deadline_s: float, stop: threading.Event | None = None,
     ) -> None:
         """Move ``local`` rows to (``WRITE``) or from (``READ``) ``remote`` rows; ``TransferFailed`` if
-        the transfer errs or is not done within ``deadline_s``."""
+        the transfer errs, is not done within ``deadline_s``, or ``stop`` is set first (the caller
+        was cancelled). Either way it returns only once the request is released (cancelled)."""
         if not len(local):
             return
         agent = self.agent
@@ -217,7 +221,7 @@ class NixlAgent:
             state = agent.transfer(handle)
             pause = 0.0
             while state == "PROC":
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or (stop is not None and stop.is_set()):
                     break
                 time.sleep(pause)  # a yield first, then up to 1 ms: the plugin's threads do the work
                 pause = min(0.001, pause * 2 or 0.00002)
@@ -225,7 +229,7 @@ class NixlAgent:
         except Exception as exc:  # the plugin reports a failed transfer by raising (a short read, a peer gone)
             state = f"ERR ({type(exc).__name__}: {exc})"
         finally:
-            self._release(handle, deadline_s)
+            self._release(handle, max(deadline_s, RELEASE_WAIT_S))
         if state != "DONE":
             why = f"not done within {deadline_s}s" if state == "PROC" else state
             raise TransferFailed(f"{op} of {len(local)} regions: {why}")

@@ -12,6 +12,13 @@ deleted meanwhile leaves the index at once but keeps its bytes until the last le
 a remote read in flight never sees its ranges reused. (Past ``lease_s`` the ranges may be reused;
 the reader's checksum then fails and the page is a miss.)
 
+Leases never stop the arena from storing: a lease holds each page once however often its keys
+repeat; an owner (a consumer's connection) holds at most ``leases_per_owner`` (past it, its oldest
+is revoked) and only it may release them (they end when its connection does); and all leases
+together hold at most ``lease_share`` of the arena's bytes (past it, the oldest are revoked, and a
+lease that alone would exceed it covers the pages that fit). A revoked lease is one that ended
+early: its reader's check fails on a reused range, a miss.
+
 Thread-safe: the server's threads and the backend's worker threads share it under one lock; the
 bytes of a page are copied in outside the lock, before it is published.
 """
@@ -113,23 +120,34 @@ class Located:
 @dataclass
 class _Lease:
     expires: float
-    pages: list[_Page] = field(default_factory=list)
+    owner: int
+    pages: list[_Page] = field(default_factory=list)  # each page once
 
 
 class PageArena:
-    def __init__(self, capacity: int, lease_s: float) -> None:
+    def __init__(
+        self, capacity: int, lease_s: float, *, lease_share: float = 0.5, leases_per_owner: int = 16
+    ) -> None:
         self.buffer = np.zeros(capacity, dtype=np.uint8)  # untouched pages cost no memory until written
         self.base = address_of(memoryview(self.buffer))
         self.capacity = capacity
         self.lease_s = lease_s
+        #: Most bytes all leases may hold at once (the rest can always be evicted for new pages).
+        self.max_pinned = int(capacity * lease_share)
+        self.leases_per_owner = leases_per_owner
         self._free = _Extents(capacity)
         self._pages: OrderedDict[bytes, _Page] = OrderedDict()  # least recently used first
-        self._leases: dict[int, _Lease] = {}
+        self._leases: dict[int, _Lease] = {}  # oldest first
+        self._owned: dict[int, list[int]] = {}  # owner -> its lease ids, oldest first
         self._expiry: deque[tuple[float, int]] = deque()  # (expires, lease id), in order: lease_s is fixed
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.used = 0
+        #: Bytes of the pages some lease holds (those gone from the index included).
+        self.pinned = 0
         self.evicted = 0
+        #: Leases ended early: over ``leases_per_owner`` or ``lease_share``.
+        self.revoked = 0
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -198,8 +216,12 @@ class PageArena:
                     return i
             return len(keys)
 
-    def locate(self, keys: Sequence[bytes], *, lease: bool) -> tuple[int, list[Located]]:
-        """The consecutive pages present from the first, and a lease id on them (0: no lease)."""
+    def locate(self, keys: Sequence[bytes], *, lease: bool, owner: int = 0) -> tuple[int, list[Located]]:
+        """The consecutive pages present from the first, and a lease id on them (0: no lease).
+
+        Under a lease, the pages are those the lease could hold (see the module docstring): fewer
+        than are present when all leases together would hold over ``lease_share`` of the arena.
+        """
         with self._lock:
             self._expire()
             found: list[_Page] = []
@@ -211,17 +233,70 @@ class PageArena:
                 found.append(page)
             lease_id = 0
             if lease and found:
+                found = self._room_for_lease(found, owner)
+            if lease and found:
                 lease_id = next(self._ids)
                 expires = time.monotonic() + self.lease_s
-                self._leases[lease_id] = _Lease(expires, found)
+                distinct = list({id(p): p for p in found}.values())  # a key asked twice is held once
+                self._leases[lease_id] = _Lease(expires, owner, distinct)
+                self._owned.setdefault(owner, []).append(lease_id)
                 self._expiry.append((expires, lease_id))
-                for page in found:
+                for page in distinct:
+                    if page.readers == 0:
+                        self.pinned += page.size
                     page.readers += 1
             return lease_id, [Located(p.size, tuple(p.spans)) for p in found]
 
-    def release(self, lease_id: int) -> None:
+    def _room_for_lease(self, found: list[_Page], owner: int) -> list[_Page]:
+        """Revoke the owner's oldest lease when it holds its most (owner 0, this process's own
+        reads, excepted), then the oldest leases while the new one would take the pinned bytes
+        over ``max_pinned``; the pages of ``found`` that fit then, from the first."""
+        total, seen = 0, set()
+        for n, page in enumerate(found):  # what one lease may hold at most, revoking nothing for more
+            if id(page) not in seen:
+                seen.add(id(page))
+                total += page.size
+                if total > self.max_pinned:
+                    found = found[:n]
+                    break
+        mine = self._owned.get(owner, [])
+        while owner and len(mine) >= self.leases_per_owner:
+            self._revoke(mine[0])
+        while self._leases and self.pinned + self._unpinned_bytes(found) > self.max_pinned:
+            self._revoke(next(iter(self._leases)))
+        extra, seen = 0, set()
+        for n, page in enumerate(found):
+            if page.readers == 0 and id(page) not in seen:
+                if self.pinned + extra + page.size > self.max_pinned:
+                    return found[:n]
+                extra += page.size
+                seen.add(id(page))
+        return found
+
+    @staticmethod
+    def _unpinned_bytes(pages: list[_Page]) -> int:
+        return sum(p.size for p in {id(p): p for p in pages if p.readers == 0}.values())
+
+    def _revoke(self, lease_id: int) -> None:
+        self._end(lease_id)
+        self.revoked += 1
+
+    def release(self, lease_id: int, owner: int | None = None) -> None:
+        """End a lease; with ``owner``, only one of that owner's (another's id is ignored)."""
         with self._lock:
-            self._end(lease_id)
+            lease = self._leases.get(lease_id)
+            if lease is not None and (owner is None or lease.owner == owner):
+                self._end(lease_id)
+
+    def end_owner(self, owner: int) -> None:
+        """End every lease of ``owner`` (its connection closed)."""
+        with self._lock:
+            for lease_id in list(self._owned.get(owner, ())):
+                self._end(lease_id)
+
+    def leases_of(self, owner: int) -> int:
+        with self._lock:
+            return len(self._owned.get(owner, ()))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -232,10 +307,16 @@ class PageArena:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return
+        mine = self._owned[lease.owner]
+        mine.remove(lease_id)
+        if not mine:
+            del self._owned[lease.owner]
         for page in lease.pages:
             page.readers -= 1
-            if page.readers == 0 and page.gone:
-                self._free.give(page.spans)
+            if page.readers == 0:
+                self.pinned -= page.size
+                if page.gone:
+                    self._free.give(page.spans)
 
     def read(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int] | None) -> int:
         """Copy pages out of the arena (a backend that serves and reads its own pages)."""

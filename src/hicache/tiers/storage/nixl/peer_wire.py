@@ -1,41 +1,47 @@
 """The metadata exchange of ``kind: nixl-peer``: small framed messages over a TCP socket.
 
 Page bytes never cross this socket: they move over UCX, read by the consumer from the producer's
-registered arena. The socket carries who the producer is and where its pages are:
+registered arena. The socket carries who the producer is and where its pages are, and only after
+the two sides authenticated each other (``peer_auth``: ``AUTH``, then every frame MACed):
 
-* ``HELLO`` -> the protocol magic, the producer's NIXL agent metadata (what UCX needs to reach its
-  memory), and the arena's address and size;
+* ``AUTH`` (magic, nonce) -> the magic and the producer's nonce: nothing else before the proof;
+* ``HELLO`` -> the producer's NIXL agent metadata (what UCX needs to reach its memory), and the
+  arena's address and size;
 * ``LOCATE`` (keys, lease flag) -> a lease id and, for the consecutive pages present from the first,
   each one's size and byte ranges in the arena;
 * ``RELEASE`` (lease id) -> nothing: the pages may be reused;
 * ``DELETE`` (keys) -> nothing: a consumer found them corrupt.
 
 A frame is ``u32 length | u8 op | body`` (little-endian), at most ``MAX_FRAME`` bytes; an error
-answer is op ``X`` with a message. The other side is not trusted: every count and length is
-checked against the frame before it is used, and every range against the arena's size.
+answer is op ``X`` with a message. Every read and write of a frame has a deadline (a peer that
+drips its bytes is cut at it, not waited on byte by byte). The other side is not trusted: every
+count and length is checked against the frame before it is used, and every range against the
+arena's size.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
+import time
 from collections.abc import Sequence
 
 from ....keys import KEY_BYTES
 from .peer_arena import MAX_SPANS, Located
 
 __all__ = [
-    "DELETE", "ERROR", "HELLO", "LOCATE", "MAGIC", "MAX_FRAME", "RELEASE", "WireError", "decode_hello",
+    "AUTH", "DELETE", "ERROR", "HELLO", "LOCATE", "MAGIC", "MAX_FRAME", "RELEASE", "WireError", "decode_hello",
     "decode_keys", "decode_located", "encode_hello", "encode_keys", "encode_located", "recv_frame", "send_frame",
 ]
 
-MAGIC = b"HCNXPR01"
-HELLO, LOCATE, RELEASE, DELETE, ERROR, OK = b"H", b"L", b"R", b"D", b"X", b"K"
+#: The protocol and its version: 02 authenticates both sides first (``peer_auth``); 01 did not.
+MAGIC = b"HCNXPR02"
+AUTH, HELLO, LOCATE, RELEASE, DELETE, ERROR, OK = b"A", b"H", b"L", b"R", b"D", b"X", b"K"
 MAX_FRAME = 8 * 1024**2
 MAX_KEYS = 4096
 
 _FRAME = struct.Struct("<Ic")
-_HELLO = struct.Struct("<8sQQI")  # magic, arena address, arena bytes, metadata length
+_HELLO = struct.Struct("<QQI")  # arena address, arena bytes, metadata length
 _KEYS = struct.Struct("<BI")  # flags (1: lease), key count
 _LOCATED = struct.Struct("<QI")  # lease id, page count
 _PAGE = struct.Struct("<QH")  # size, span count
@@ -46,17 +52,28 @@ class WireError(ConnectionError):
     """The peer sent something that is not a valid answer (or closed the connection)."""
 
 
-def send_frame(sock: socket.socket, op: bytes, body: bytes = b"") -> None:
+def _left(sock: socket.socket, deadline: float) -> None:
+    """Give the socket's next call what is left until ``deadline``; ``TimeoutError`` when nothing is."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the peer's exchange ran past its deadline")
+    sock.settimeout(left)
+
+
+def send_frame(sock: socket.socket, op: bytes, body: bytes, deadline: float) -> None:
+    """Send one frame, all of it by ``deadline`` (a peer that stops reading is cut there)."""
     if len(body) + 1 > MAX_FRAME:
         raise WireError(f"a frame of {len(body)} bytes is over {MAX_FRAME}")
-    sock.sendall(_FRAME.pack(len(body) + 1, op) + body)
+    _left(sock, deadline)
+    sock.sendall(_FRAME.pack(len(body) + 1, op) + body)  # the timeout bounds the whole sendall
 
 
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        _left(sock, deadline)  # the deadline is for the whole frame: a dripping peer gains nothing
         k = sock.recv_into(view[got:])
         if k == 0:
             raise WireError("the peer closed the connection")
@@ -64,25 +81,25 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> tuple[bytes, bytes]:
-    """``(op, body)`` of the next frame; ``WireError`` for a closed or oversized one."""
-    length, op = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
-    if not 1 <= length <= MAX_FRAME:
-        raise WireError(f"a frame of {length} bytes (at most {MAX_FRAME})")
-    return op, _recv_exactly(sock, length - 1)
+def recv_frame(sock: socket.socket, deadline: float, limit: int = MAX_FRAME) -> tuple[bytes, bytes]:
+    """``(op, body)`` of the next frame, all of it by ``deadline``; ``WireError`` for a closed one or
+    one over ``limit`` bytes (before authentication, frames are a few dozen bytes: nothing larger is
+    read), ``TimeoutError`` past the deadline."""
+    length, op = _FRAME.unpack(_recv_exactly(sock, _FRAME.size, deadline))
+    if not 1 <= length <= limit:
+        raise WireError(f"a frame of {length} bytes (at most {limit})")
+    return op, _recv_exactly(sock, length - 1, deadline)
 
 
 def encode_hello(metadata: bytes, address: int, size: int) -> bytes:
-    return _HELLO.pack(MAGIC, address, size, len(metadata)) + metadata
+    return _HELLO.pack(address, size, len(metadata)) + metadata
 
 
 def decode_hello(body: bytes) -> tuple[bytes, int, int]:
     """``(agent metadata, arena address, arena bytes)``."""
     if len(body) < _HELLO.size:
         raise WireError("a short HELLO answer")
-    magic, address, size, n = _HELLO.unpack_from(body)
-    if magic != MAGIC:
-        raise WireError("not a hicache nixl-peer server (or another protocol version)")
+    address, size, n = _HELLO.unpack_from(body)
     if len(body) != _HELLO.size + n:
         raise WireError("a HELLO answer of the wrong length")
     return body[_HELLO.size :], address, size
