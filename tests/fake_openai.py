@@ -6,6 +6,7 @@ check the proxy copied that very dict into the decode request); as a ``decode`` 
 ``kv_transfer_params`` it received, as JSON or as a three-chunk SSE stream. Faults to inject:
 ``status`` (answer every request with that error status), ``stall`` (never answer),
 ``gate`` (a stream waits after its first chunk until the test opens it), ``die_mid_stream``.
+``api_key``: like ``vllm serve --api-key``, every ``/v1`` route answers 401 without that bearer token.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class FakeOpenAIServer:
     stall: bool = False
     die_mid_stream: bool = False
     gate: asyncio.Event | None = None
+    gate_timeout_s: float = 10.0
+    api_key: str | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)  # each request's headers (case-insensitive)
     url: str = ""
@@ -33,7 +36,7 @@ class FakeOpenAIServer:
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def start(self) -> FakeOpenAIServer:
-        app = web.Application()
+        app = web.Application(middlewares=[self._authenticate], client_max_size=64 << 20)  # as vLLM: no 1 MiB cap
         for route in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_post(route, self._answer)
         app.router.add_get("/v1/models", self._models)
@@ -49,6 +52,12 @@ class FakeOpenAIServer:
         self._stopping.set()  # a stalled answer ends (the proxy gave up on it long ago)
         if self._runner is not None:
             await self._runner.cleanup()
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "owned_by": self.name}]})
@@ -80,7 +89,7 @@ class FakeOpenAIServer:
                 request.transport.close()
                 return response
             if i == 0 and self.gate is not None:
-                await asyncio.wait_for(self.gate.wait(), 10)
+                await asyncio.wait_for(self.gate.wait(), self.gate_timeout_s)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

@@ -14,6 +14,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ pytest.importorskip("aiohttp")
 
 from aiohttp import ClientSession, ClientTimeout, web  # noqa: E402
 
-from hicache.integrations.vllm.pd_proxy import ProxySettings, build_app, server_urls  # noqa: E402
+from hicache.integrations.vllm.pd_proxy import PDProxy, ProxySettings, build_app, serve, server_urls  # noqa: E402
 
 from .fake_openai import FakeOpenAIServer  # noqa: E402
 
@@ -31,23 +32,34 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_comp
 
 
 @asynccontextmanager
-async def proxy_over(prefill: list[FakeOpenAIServer], decode: list[FakeOpenAIServer], **timeouts: float
-                     ) -> AsyncIterator[tuple[str, ClientSession]]:
-    for fake in (*prefill, *decode):
-        await fake.start()
-    app, _ = build_app(ProxySettings([f.url for f in prefill], [f.url for f in decode], **timeouts))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+async def proxy_at(prefill: list[str], decode: list[str], **settings: Any) -> AsyncIterator[tuple[str, PDProxy]]:
+    """The proxy over these servers, served as the command serves it (``serve``: with its connection caps)."""
+    runner, _site, proxy = await serve(ProxySettings(prefill, decode, **settings), "127.0.0.1", 0)
     try:
-        async with ClientSession(timeout=ClientTimeout(total=30)) as client:
-            yield url, client
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", proxy
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def running_proxy(prefill: list[FakeOpenAIServer], decode: list[FakeOpenAIServer], **settings: Any
+                        ) -> AsyncIterator[tuple[str, PDProxy]]:
+    for fake in (*prefill, *decode):
+        await fake.start()
+    try:
+        async with proxy_at([f.url for f in prefill], [f.url for f in decode], **settings) as (url, proxy):
+            yield url, proxy
+    finally:
         for fake in (*prefill, *decode):
             await fake.stop()
+
+
+@asynccontextmanager
+async def proxy_over(prefill: list[FakeOpenAIServer], decode: list[FakeOpenAIServer], **settings: Any
+                     ) -> AsyncIterator[tuple[str, ClientSession]]:
+    async with running_proxy(prefill, decode, **settings) as (url, _proxy):
+        async with ClientSession(timeout=ClientTimeout(total=30)) as client:
+            yield url, client
 
 
 async def test_a_completion_is_prefilled_then_decoded_with_the_prefills_kv_transfer_params() -> None:
@@ -112,7 +124,9 @@ async def test_a_failing_prefill_server_is_a_502_and_nothing_is_decoded() -> Non
         async with client.post(url + "/v1/completions", json=COMPLETION) as r:
             assert r.status == 502
             error = (await r.json())["error"]
-    assert failing.url in error["message"] and "500" in error["message"] and error["code"] == 502
+    # The client learns which server by its place, never its (internal) URL: that is in the proxy's log.
+    assert error["message"] == "prefill server 1 of 1 answered 500" and error["code"] == 502
+    assert failing.url not in error["message"]
     assert decode.received == []
 
 
@@ -124,17 +138,18 @@ async def test_the_prefills_own_4xx_reaches_the_client_as_it_came() -> None:
     assert decode.received == []
 
 
-async def test_a_stalled_prefill_server_is_a_502_within_its_bound() -> None:
+async def test_a_stalled_prefill_server_is_a_504_within_its_bound() -> None:
     stalled, decode = FakeOpenAIServer("prefill", stall=True), FakeOpenAIServer("decode")
     async with proxy_over([stalled], [decode], prefill_timeout_s=0.5) as (url, client):
         started = time.monotonic()
         async with client.post(url + "/v1/completions", json=COMPLETION) as r:
-            assert r.status == 502 and "within 0.5s" in (await r.json())["error"]["message"]
+            assert r.status == 504
+            assert (await r.json())["error"]["message"] == "prefill server 1 of 1 did not answer within 0.5s"
         assert time.monotonic() - started < 5
     assert decode.received == []
 
 
-async def test_unreachable_servers_are_502s() -> None:
+async def test_unreachable_servers_are_502s_that_do_not_name_them() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -151,7 +166,9 @@ async def test_unreachable_servers_are_502s() -> None:
                 async with ClientSession() as client:
                     async with client.post(f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions",
                                            json=COMPLETION) as r:
-                        assert r.status == 502 and dead in (await r.json())["error"]["message"]
+                        message = (await r.json())["error"]["message"]
+                        assert r.status == 502 and message.endswith("server 1 of 1 could not be reached")
+                        assert dead not in message and dead.rsplit(":", 1)[1] not in message
             finally:
                 await runner.cleanup()
     finally:
@@ -216,7 +233,9 @@ def test_server_lists_and_the_command_line(capsys: pytest.CaptureFixture[str]) -
         with pytest.raises(ValueError):
             server_urls(bad)
     for argv, complaint in ((["--prefill", "http://a:1"], "--decode"),
-                            (["--prefill", "ftp://a:1", "--decode", "http://b:2"], "ftp://a:1")):
+                            (["--prefill", "ftp://a:1", "--decode", "http://b:2"], "ftp://a:1"),
+                            (["--prefill", "http://a:1", "--decode", "http://b:2", "--max-in-flight", "0"], ">= 1"),
+                            (["--prefill", "http://a:1", "--decode", "http://b:2", "--trusted-proxy", "x"], "'x'")):
         with pytest.raises(SystemExit) as exit_:
             main(["pd-proxy", *argv])
         assert exit_.value.code == 2 and complaint in capsys.readouterr().err

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         return admin_main(argv[1:])
     if argv[:1] == ["pd-proxy"]:
         try:
-            from .integrations.vllm.pd_proxy import main as pd_proxy_main
+            from .integrations.vllm.pd_proxy_cli import main as pd_proxy_main
         except ImportError as exc:
             print(f"error: hicache pd-proxy needs aiohttp ({exc}): pip install 'hicache[pd]'", file=sys.stderr)
             return 2
