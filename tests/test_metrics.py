@@ -28,9 +28,12 @@ from .lm_helpers import lm_config, prompt, tiny_model
 from .test_attach_detach import PAGE, PROMPT_PAGES, config, file_entry, kv_of, tokens_of
 
 
-def fetch(url: str, body: dict[str, Any] | None = None, token: str | None = None) -> tuple[int, bytes]:
+def fetch(url: str, body: dict[str, Any] | None = None, token: str | None = None,
+          content_type: str | None = "application/json") -> tuple[int, bytes]:
     request = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
                                      method="GET" if body is None else "POST")
+    if content_type is not None and body is not None:
+        request.add_header("Content-Type", content_type)
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:

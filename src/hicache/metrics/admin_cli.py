@@ -7,6 +7,8 @@
 The endpoint is ``hicache.metrics.serve(cache, port, admin=True, admin_token=...)`` in that process
 (``--url``, default ``http://127.0.0.1:9400``); the token comes from ``$HICACHE_ADMIN_TOKEN``. The
 entry file's ``${VAR}`` are expanded here, from this shell's environment, never the server's.
+Every request says ``Content-Type: application/json`` and no ``Origin``, and names ``--url``'s host
+in ``Host``: a server without a token takes it from a loopback ``--url`` only (``admin_auth``).
 """
 
 from __future__ import annotations

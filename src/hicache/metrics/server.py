@@ -14,7 +14,11 @@ Routes:
   (``{"entry": {...}, "position": null}``) and ``POST /admin/storage/detach``
   (``{"name": "...", "drain": true, "timeout_s": null}``). Admin requests need
   ``Authorization: Bearer <admin_token>`` when a token is set; an admin server on an address other
-  than loopback refuses to start without one.
+  than loopback refuses to start without one, and without one takes admin requests from no web page
+  (a loopback ``Host``, no ``Origin``: ``admin_auth``). Admin POSTs need ``Content-Type: application/json``.
+
+Connections are accepted by ``accept.serve_connections``: at most ``max_connections`` at once, and
+no accept error (``EMFILE`` under fd pressure or a flood) or handler error ends the caller's block.
 
 Why an endpoint and not a CLI that talks to the process some other way: a running engine already
 exposes an HTTP port for metrics to its operators (and Prometheus), the attach/detach calls must
@@ -32,7 +36,6 @@ quotes anything but the request and the validation's own messages (secrets never
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 import json
 import logging
@@ -48,6 +51,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..errors import ConfigError, HiCacheError
+from .accept import serve_connections
+from .admin_auth import admin_refusal
 from .collector import HiCacheCollector
 
 if TYPE_CHECKING:
@@ -64,9 +69,10 @@ _TOO_DEEP = f"the body is not JSON this server takes: nested deeper than {_MAX_D
 _READ_TIMEOUT_S = 10.0
 _RECEIVE_BYTES = 65536
 _DRAIN_S, _DRAIN_BYTES = 1.0, 1024 * 1024  # after an error answer (see _respond)
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
-            413: "Payload Too Large", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            503: "Service Unavailable"}
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+            405: "Method Not Allowed", 413: "Payload Too Large", 415: "Unsupported Media Type",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}
+MAX_CONNECTIONS = 64  # serve()'s default: a scraper and an operator need a few; a flood gets no more fds
 
 
 def registry_for(cache: HiCache, **collector_options: Any) -> CollectorRegistry:
@@ -108,7 +114,7 @@ class MetricsServer:
                         request, body = await _read_request(stream, conn)
                 except TimeoutError:
                     return  # a client that does not finish its request in time: dropped
-                headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers}
+                headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers]
                 status, ctype, payload = await self._route(
                     request.method.decode("ascii", "replace"), request.target.decode("latin-1"), headers, body
                 )
@@ -128,7 +134,9 @@ class MetricsServer:
                     {"error": f"internal error ({type(exc).__name__}); the server's log has the details"})
             await _respond(stream, conn, status, ctype, payload)
 
-    async def _route(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str, bytes]:
+    async def _route(
+        self, method: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[int, str, bytes]:
         path = path.split("?", 1)[0]
         if path == "/metrics":
             _allow(method, "GET")
@@ -142,16 +150,10 @@ class MetricsServer:
             return 200, "text/plain; charset=utf-8", b"ok\n"
         if not (self.admin and path.startswith("/admin/")):
             raise _BadRequest(404, f"no route {path}")
-        self._authorize(headers)
+        refusal = admin_refusal(method, headers, self._token)  # before anything is read or changed
+        if refusal is not None:
+            raise _BadRequest(*refusal)
         return 200, "application/json", _json(await self._admin(method, path, body))
-
-    def _authorize(self, headers: dict[str, str]) -> None:
-        if self._token is None:
-            return
-        given = headers.get("authorization", "")
-        expected = f"Bearer {self._token}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise _BadRequest(401, "admin requests need `Authorization: Bearer <token>` (HICACHE_ADMIN_TOKEN)")
 
     async def _admin(self, method: str, path: str, body: bytes) -> Any:
         cache = self.cache
@@ -300,21 +302,25 @@ async def serve(
     registry: CollectorRegistry | None = None,
     admin: bool = False,
     admin_token: str | None = None,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> AsyncGenerator[MetricsServer]:
     """Serve ``/metrics`` (and with ``admin`` the admin routes) while the block runs.
 
     ``port=0`` picks a free port (``server.port``). ``registry``: what ``/metrics`` exports
     (default: ``registry_for(cache)``); pass your own to merge the cache's metrics with others.
+    ``max_connections``: served at once; more are closed at once (``accept``).
     """
     if admin and admin_token is None and not _loopback(host):
         raise ConfigError(f"an admin server on {host} (not loopback) needs an admin_token")
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+        raise ConfigError(f"max_connections is a whole number of at least 1, not {max_connections!r}")
     server = MetricsServer(cache, registry if registry is not None else registry_for(cache), admin, admin_token)
     listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
     sockname = listener.extra(anyio.abc.SocketAttribute.local_address)
     server.host, server.port = str(sockname[0]), int(sockname[1])
     log.info("hicache metrics on %s/metrics%s", server.url, " (admin routes on)" if admin else "")
     async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, server.handle)
+        tg.start_soon(serve_connections, listener, server.handle, tg, max_connections)
         try:
             yield server
         finally:
