@@ -274,3 +274,47 @@ def test_purge_by_age_skips_entries_that_are_not_pages(tmp_path: Path, capsys) -
     assert fifo.exists() and link.is_symlink()  # left alone: verify --repair removes them
     code, report = inspect(capsys, "verify", cfg, "--repair", "--json")
     assert report["removed"] == 2 and not fifo.exists() and not link.is_symlink() and files[6].is_file()
+
+
+def test_verify_skips_objects_larger_than_any_page_without_reading_them(tmp_path: Path, capsys) -> None:
+    """A 4 GiB file (sparse: no disk taken) named like a page in a file tier's folder: verify read every
+    listed object whole, whatever its size (4 GiB of memory, then 4 GiB read). Now an object larger
+    than the largest page the config's model can store is reported as oversized and never read."""
+    import os
+    import resource
+    import time
+
+    from hicache.inspect.verify import largest_page_bytes
+
+    entry = {"kind": "file", "name": "store", "path": str(tmp_path / "pages"), "fsync": "never"}
+    fill(entry, 0, 1)
+    cfg = write_config(tmp_path / "config.yaml", entry)
+    huge_name = "ee" + "5" * 30
+    huge = tmp_path / "pages" / "ee" / f"{huge_name}.kv"
+    huge.parent.mkdir(exist_ok=True)
+    huge.touch()
+    os.truncate(huge, 4 * 2**30)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, the peak so far
+    start = time.monotonic()
+    code, report = inspect(capsys, "verify", cfg, "--json")
+    assert time.monotonic() - start < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 512 * 1024  # never 4 GiB
+    assert code == 0 and report["ok"] == PROMPT_PAGES and report["corrupt"] == []
+    assert report["oversized"] == [{"name": huge_name, "reason": "oversized", "bytes": 4 * 2**30}]
+    limit = report["max_page_bytes"]
+    from hicache.containers import inspection_target
+
+    _, _, codec = inspection_target(load_config(cfg), None)
+    assert limit == largest_page_bytes(codec) >= HEADER_BYTES + 2 * 3 * PAGE * 2 * 16 * 4  # an exact page fits
+    code, table = inspect(capsys, "verify", cfg, "--repair")
+    assert code == 0 and "oversized: 1 objects larger than" in table and huge_name in table
+    assert huge.stat().st_size == 4 * 2**30  # not removed: it may be a larger model's page
+    huge.unlink()
+    # An object just over the bound is read when asked (--max-page-bytes): it is not a page, corrupt.
+    over = tmp_path / "pages" / "ee" / f"{huge_name}.kv"
+    over.write_bytes(b"x" * (limit + 1))
+    code, report = inspect(capsys, "verify", cfg, "--json")
+    assert [p["name"] for p in report["oversized"]] == [huge_name] and report["corrupt"] == []
+    code, report = inspect(capsys, "verify", cfg, "--json", "--max-page-bytes", str(limit + 1))
+    assert code == 1 and report["oversized"] == []
+    assert [c["reason"] for c in report["corrupt"]] == ["not a hicache page"]

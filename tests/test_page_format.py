@@ -60,14 +60,14 @@ def test_foreign_pages_are_rejected(reader: PageCodec, key: bytes, reason: str) 
 
 
 @pytest.mark.parametrize(
-    ("offset", "reason"), [(0, "magic"), (8, "version"), (HEADER_BYTES - 1, None), (-1, "checksum")]
+    ("offset", "reason"), [(0, "magic"), (8, "version"), (HEADER_BYTES - 1, "padding"), (-1, "checksum")]
 )
 def test_damaged_bytes_are_rejected(offset: int, reason: str | None) -> None:
     codec = PageCodec(NS, GEOMETRY)
     header, payload = encoded(codec)
     target = payload if offset < 0 else header
     target[offset] ^= 0xFF
-    # The last header byte is padding: outside every field and the checksum.
+    # The last header byte is padding: outside every field and the checksum, and checked to be zero.
     assert codec.check(KEY, header, [payload]) == reason
 
 
@@ -153,3 +153,59 @@ async def test_damaged_page_file_is_a_miss(tmp_path: Path, damage, foreign_overr
         assert backend.corrupt_pages == 1
         assert not files[3].exists()  # removed, so it is not read again
         assert_consistent(cache)
+
+
+# -- every header byte counts (issue 50, item 16) --------------------------------------------------
+#
+# The bytes after a header's check value were neither checked nor authenticated: with aes-gcm a
+# flipped byte at offset 100, 116 or 127, and with a tenant key at 116 or 127, read as a good page.
+# Each of the 128 header bytes is flipped in turn, in every mode, through a real tier over the
+# reference backend: each flip must be a counted miss (corrupt_pages), never a page served.
+
+HEADER_MODES = {
+    "no key": ((), None),
+    "tenant key": ((), "a-tenant-key-for-header-flips-0123"),
+    "aes-gcm, its own key": (({"kind": "aes-gcm", "key": "a-stage-key-for-header-flips-456"},), None),
+    "aes-gcm, from the tenant key": (("aes-gcm",), "a-tenant-key-for-header-flips-0123"),
+    "lossless": (("lossless",), None),
+    "lossless, tenant key": (("lossless",), "a-tenant-key-for-header-flips-0123"),
+}
+
+
+@pytest.mark.parametrize("mode", list(HEADER_MODES))
+async def test_every_flipped_header_byte_is_a_counted_miss(mode: str) -> None:
+    from hicache.tiers.storage.memory import MemoryBackend
+    from hicache.tiers.storage.page_format import check_stored_page
+    from hicache.tiers.storage.tier import StorageTier
+
+    from .test_codecs import codec, host_pool, put_blob, stored_blob
+
+    stages, tenant = HEADER_MODES[mode]
+    c = codec(*stages, tenant=tenant)
+    host = await host_pool()
+    saved = host.buffer.clone()
+    key = bytes([7]) * 16
+    name = c.storage_keys([key])[0]
+    served = []
+    async with StorageTier("t", MemoryBackend(), c, host, batch_pages=1) as tier:
+        assert await tier.store([key], [0]) == 1
+        good = await stored_blob(tier.backend, name, HEADER_BYTES + c.max_stored_bytes)
+        assert check_stored_page(c, name, bytes(good)).status == "ok"
+        for offset in range(HEADER_BYTES):
+            for bit in (0x01, 0x80):
+                bad = bytearray(good)
+                bad[offset] ^= bit
+                await put_blob(tier.backend, name, bad)
+                before = tier.backend.corrupt_pages
+                host.buffer.zero_()
+                if await tier.fetch([key], [0]) != 0 or tier.backend.corrupt_pages != before + 1:
+                    served.append((offset, bit))
+                # inspect verify: never "ok" (a flipped namespace or version field makes a keyed page
+                # look like another tenant's: unverifiable, neither good nor removed)
+                assert check_stored_page(c, name, bytes(bad)).status != "ok", (offset, bit)
+        await put_blob(tier.backend, name, good)  # and the intact page still reads
+        host.buffer.zero_()
+        assert await tier.fetch([key], [0]) == 1
+        assert torch.equal(host.buffer[0].view(torch.uint8), saved[0].view(torch.uint8))
+    assert not served, f"header flips read as good pages or not counted (offset, bit): {served}"
+

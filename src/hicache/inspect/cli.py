@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", help="read every page and check header and checksum (or MAC)")
     common(verify)
     verify.add_argument("--repair", action="store_true", help="remove the corrupt pages found")
+    verify.add_argument(
+        "--max-page-bytes", type=int, default=None,
+        help="read objects up to this size (default: the largest page the config's model can store; "
+        "larger ones are reported as oversized, not read)",
+    )
     purge = sub.add_parser("purge", help="remove pages (a dry run unless --yes)")
     common(purge)
     purge.add_argument("--namespace", help="'this' (the config's), 'other', or a namespace hex prefix from summary")
@@ -58,7 +63,10 @@ async def _run(args: argparse.Namespace) -> object:
         if args.verb == "pages":
             return await list_page_lines(backend, codec, entry.tier_name, quiet=args.quiet)
         if args.verb == "verify":
-            return await verify(backend, codec, entry.tier_name, repair=args.repair, quiet=args.quiet)
+            return await verify(
+                backend, codec, entry.tier_name, repair=args.repair, quiet=args.quiet,
+                max_page_bytes=args.max_page_bytes,
+            )
         return await purge(
             backend, codec, entry.tier_name, namespace=args.namespace, older_than_s=older,
             everything=args.all, dry_run=not args.yes, quiet=args.quiet,

@@ -6,6 +6,12 @@ under another name, truncated, wrong checksum or MAC), ``unverifiable`` (a keyed
 tenant key or namespace: neither proven good nor bad, never removed). ``--repair`` removes the
 corrupt ones; a page rewritten by a live cache between the read and the removal is removed too,
 which costs that cache a miss, never wrong data.
+
+A page is read whole, so an object larger than any page the config's geometry can make
+(``largest_page_bytes``: a header and the widest codec chain's bound) is not read at all: it is
+reported as ``oversized`` (skipped, never removed: it may be a larger model's page in a shared
+tier, read with ``--max-page-bytes``). A 4 GiB file planted in a file tier's folder costs a
+listing entry, not 4 GiB of memory and reading.
 """
 
 from __future__ import annotations
@@ -14,10 +20,23 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..tiers.storage.base import StorageBackend
-from ..tiers.storage.page_format import PageCodec, check_stored_page
+from ..tiers.storage.codecs.aes_gcm import AesGcm
+from ..tiers.storage.codecs.lossless import Lossless
+from ..tiers.storage.page_format import HEADER_BYTES, PageCodec, check_stored_page
 from .walk import batches, list_all, progress
 
-__all__ = ["CorruptPage", "VerifyReport", "verify"]
+__all__ = ["CorruptPage", "VerifyReport", "largest_page_bytes", "verify"]
+
+
+def largest_page_bytes(codec: PageCodec) -> int:
+    """The largest stored page of ``codec``'s geometry: a header and the larger of what its own chain
+    and the widest chain (``lossless`` then ``aes-gcm`` over the exact KV) can store, so pages this
+    model wrote through another chain are still read. Both bounds are the stages' own
+    (``max_encoded_bytes``, which needs no key or library: computed on bare instances)."""
+    widest = codec.payload_bytes
+    for stage in (object.__new__(Lossless), object.__new__(AesGcm)):
+        widest = stage.max_encoded_bytes(widest)
+    return HEADER_BYTES + max(codec.max_stored_bytes, widest)
 
 
 @dataclass(frozen=True)
@@ -38,15 +57,24 @@ class VerifyReport:
     corrupt: list[CorruptPage] = field(default_factory=list)
     removed: int = 0
     repair: bool = False
+    max_page_bytes: int = 0  # objects larger are not read (``largest_page_bytes``, or --max-page-bytes)
+    oversized: list[CorruptPage] = field(default_factory=list)  # skipped: listed larger than that
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     def table(self, limit: int = 20) -> str:
         lines = [
-            f"storage tier {self.tier} ({self.kind}): {self.pages} pages read: {self.ok} verified "
+            f"storage tier {self.tier} ({self.kind}): {self.pages - len(self.oversized)} pages read: "
+            f"{self.ok} verified "
             f"({self.ours} of this config's namespace), {len(self.corrupt)} corrupt, {self.unverifiable} unverifiable",
         ]
+        if self.oversized:
+            lines.append(
+                f"oversized: {len(self.oversized)} objects larger than {self.max_page_bytes} bytes (the largest page "
+                "this config's model can store) were not read; left alone (--max-page-bytes reads larger pages)"
+            )
+            lines += [f"  {p.name}  {p.bytes} bytes" for p in self.oversized[:limit]]
         reasons: dict[str, int] = {}
         for page in self.corrupt:
             reasons[page.reason] = reasons.get(page.reason, 0) + 1
@@ -67,10 +95,20 @@ class VerifyReport:
 
 
 async def verify(
-    backend: StorageBackend, codec: PageCodec, tier: str, *, repair: bool = False, quiet: bool = False
+    backend: StorageBackend, codec: PageCodec, tier: str, *, repair: bool = False, quiet: bool = False,
+    max_page_bytes: int | None = None,
 ) -> VerifyReport:
-    pages = await list_all(backend, quiet=quiet)
-    report = VerifyReport(tier=tier, kind=backend.kind, pages=len(pages), repair=repair)
+    """Check every listed page; ``max_page_bytes`` (default ``largest_page_bytes(codec)``): larger
+    objects are reported ``oversized`` and never read."""
+    listed = await list_all(backend, quiet=quiet)
+    limit = largest_page_bytes(codec) if max_page_bytes is None else max_page_bytes
+    report = VerifyReport(tier=tier, kind=backend.kind, pages=len(listed), repair=repair, max_page_bytes=limit)
+    pages = []
+    for page in listed:
+        if page.size is not None and page.size > limit:
+            report.oversized.append(CorruptPage(page.key.hex(), "oversized", page.size))
+        else:
+            pages.append(page)
     with progress(len(pages), "verifying", quiet) as bar:
         for run in batches(pages):
             blobs = await backend.read_stored(run)

@@ -16,9 +16,16 @@ Layout: ``<path>/<first two hex digits of the key>/<32 hex digits>.kv``, each fi
   deleted to make room. Reads refresh a file's mtime, so recency survives restarts (not those of
   ``hicache inspect``, which opens the tier with ``touch_on_read: false``).
 * **Restarts and other processes**: the index is rebuilt from the directory at ``open`` (oldest
-  mtime first), and ``exists`` looks on disk for keys it does not know, so pages written by another
-  process since are found. Several processes may share a directory; each enforces ``capacity`` on
-  what it knows, so their total may exceed it briefly.
+  mtime first). It is a hint for capacity, never the answer to ``exists``, which asks the folder
+  for every key: pages written by another process since are found, and pages another process
+  removed (its eviction, ``hicache inspect purge``) or a folder unusable for a while lost are not
+  taken as held, so a write that skips "held" pages never skips a missing one. Several processes
+  may share a directory; each enforces ``capacity`` on what it knows, so their total may exceed it
+  briefly.
+* **Who may read it** (``share``): what the tier creates is its user's alone (folders 0700, page
+  files 0600), whatever the umask, or with ``share: group`` its folder's group's too (2770, 0660).
+  A tenant key authenticates pages, it does not encrypt them: only ``aes-gcm`` keeps the KV from
+  whoever can read the files.
 
 I/O path (measured with ``benchmarks/file_io_paths.py`` and ``benchmarks/storage.py``): writes run
 in ``write_threads`` worker threads at once, because concurrent fsyncs share journal commits (one
@@ -62,7 +69,9 @@ from ...config import ByteSize
 from ...errors import ConfigError
 from .base import BackendSettings, PageIO, StorageBackend, StoredPage, settings_environ
 from .lru_index import LruIndex
-from .page_files import CORRUPT, SUFFIX, Folder, Refused, delete_pages, read_pages, unlink_at, write_pages
+from .page_files import (
+    CORRUPT, GROUP, PRIVATE, SUFFIX, Folder, Refused, delete_pages, read_pages, unlink_at, write_pages,
+)
 from .page_format import HEADER_BYTES
 
 __all__ = ["FileBackend"]
@@ -129,6 +138,10 @@ class FileBackend(StorageBackend):
         #: Reads refresh each page file's mtime (the recency eviction and restarts go by) and remove
         #: an unusable entry. ``hicache inspect`` reads with ``false``: a reader that changes nothing.
         touch_on_read: bool = True
+        #: Who may read and write what the tier creates (``page_files.Modes``), whatever the umask:
+        #: ``private``, this user only (folders 0700, page files 0600); ``group``, the folder's group
+        #: too (folders 2770, files 0660), for a folder several users' caches share on purpose.
+        share: Literal["private", "group"] = "private"
 
         @field_validator("path")
         @classmethod
@@ -151,6 +164,7 @@ class FileBackend(StorageBackend):
         self._index = LruIndex(self.settings.capacity)  # key -> file size, least recently used first
         self._write_limiter = anyio.CapacityLimiter(self.settings.write_threads)
         self._refused: set[str] = set()  # shard folders already reported as links (logged once each)
+        self._modes = GROUP if self.settings.share == "group" else PRIVATE
 
     # -- paths ----------------------------------------------------------------------------------
 
@@ -184,11 +198,28 @@ class FileBackend(StorageBackend):
                 f"file tier: cannot use {self._shown} as its folder ({exc.strerror or type(exc).__name__}): set "
                 "`path` to a folder this process can create, read and write"
             ) from None
+        self._warn_if_open_to_others()
         found.sort(key=lambda item: item[2])
         self._index.clear()
         for key, size, _ in found:  # oldest first
             self._index.remember(key, size)
         log.debug("file backend %s: %d pages, %d bytes", self._shown, len(self._index), self._index.used)
+
+    def _warn_if_open_to_others(self) -> None:
+        """A folder that was there before (the tier makes its own ``0700``, or ``2770`` shared by a
+        group) and lets more users in than ``share`` says: said once, left as it is (it is yours)."""
+        try:
+            mode = os.stat(self.root).st_mode
+        except OSError:
+            return
+        wider = mode & (0o077 if self._modes is PRIVATE else 0o007)
+        if wider:
+            log.warning(
+                "file backend %s: the folder's mode is %o, wider than `share: %s` (pages are written %o, folders "
+                "this tier makes %o): other users may reach pages written before; `chmod %s` the folder",
+                self._shown, stat.S_IMODE(mode), self.settings.share, self._modes.file, self._modes.folder,
+                "700" if self._modes is PRIVATE else "o-rwx",
+            )
 
     def _scan(self, remove: bool = False) -> list[tuple[bytes, int, float]]:
         """Every page file under the root as ``(key, size, mtime)``; stale temporaries removed.
@@ -197,7 +228,7 @@ class FileBackend(StorageBackend):
         """
         found: list[tuple[bytes, int, float]] = []
         now = time.time()
-        with Folder(self.root, self._refused, create=True) as folder:
+        with Folder(self.root, self._refused, create=True, modes=self._modes) as folder:
             with os.scandir(folder.fd) as shards:
                 names = [s.name for s in shards if len(s.name) == 2]
             for shard in names:
@@ -318,23 +349,40 @@ class FileBackend(StorageBackend):
     # -- the three operations -------------------------------------------------------------------
 
     async def _exists(self, keys: Sequence[bytes]) -> int:
+        """Pages whose file is there now, asked of the folder for every key: the index is only a
+        hint. Callers skip writing what this says is held (``StorageWriter``, SGLang's ``store``),
+        and the index can be stale: another process evicted or purged the files, or the folder
+        was unusable and came back empty. Two ``lstat``s of cached folders: ~2.5 us a page here
+        (0.27 us when the index answered alone), small beside reading a page and no reason for a
+        hop to a worker thread. Only a regular file in a real shard folder counts (a FIFO or
+        a link there is not a page); a page the index knew and the folder lost is forgotten."""
+        root = str(self.root)
         for i, key in enumerate(keys):
-            if key in self._index:
-                continue
-            # Not in our index: another process may have written it since we scanned. Two lstats
-            # of cached directories cost microseconds, less than a hop to a worker thread. Only a
-            # regular file in a real shard folder counts (a FIFO or a link there is not a page).
-            path = self.path_of(key)
+            name = key.hex()
+            shard = f"{root}/{name[:2]}"
             try:
-                if not stat.S_ISDIR(os.lstat(path.parent).st_mode):
-                    return i
-                st = os.lstat(path)
+                if not stat.S_ISDIR(os.lstat(shard).st_mode):
+                    st = None
+                else:
+                    st = os.lstat(f"{shard}/{name}{_SUFFIX}")
             except OSError:
+                st = None
+            if st is None or not stat.S_ISREG(st.st_mode):
+                if st is not None and key in self._index:
+                    await self._unusable(key)  # a page we knew became a FIFO, a link, a folder
+                self._forget(key)
                 return i
-            if not stat.S_ISREG(st.st_mode):
-                return i
-            self._remember(key, st.st_size)
+            if key not in self._index:  # another process wrote it since we scanned
+                self._remember(key, st.st_size)
         return len(keys)
+
+    async def _unusable(self, key: bytes) -> None:
+        """Something that is not a page file sits where a page we knew was: a corrupt page, counted
+        and (as a read would) removed, the entry itself, through its shard's descriptor."""
+        self.corrupt_pages += 1
+        log.debug("file backend %s: page %s replaced by something not a regular file", self._shown, key.hex())
+        if self.settings.touch_on_read:
+            await anyio.to_thread.run_sync(delete_pages, self.root, self._refused, [self._place(key)])
 
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
         return await self._read(keys, into, None)
@@ -381,7 +429,7 @@ class FileBackend(StorageBackend):
             results = await anyio.to_thread.run_sync(
                 write_pages, self.root, self._refused, [self._place(keys[i]) for i in share],
                 [pages[i] for i in share], fsync, drop, self._write_batch, self.settings.direct_io,
-                limiter=self._write_limiter,
+                self._modes, limiter=self._write_limiter,
             )
             for i, good in zip(share, results, strict=True):
                 ok[i] = good

@@ -12,6 +12,11 @@ page): no page-cache page is allocated. On a virtual machine whose free memory i
 its host (free page reporting, a balloon), every new page-cache page costs a fault in the host: a
 buffered write of a 5.6 MiB page took 13.5-14.4 ms of CPU here, ``O_DIRECT`` with the copy into the
 bounce buffer 3.5 ms. A file system that takes no ``O_DIRECT`` is written and read buffered (logged once).
+
+What is created here gets its permission bits from ``Modes``, whatever the process's umask: by
+default (``PRIVATE``) folders ``0700`` and page files ``0600``, so no other user reads a page (with a
+tenant key the payload is only authenticated, not encrypted); ``GROUP`` (``share: group``) folders
+``2770`` (new entries take the folder's group) and files ``0660``, for a folder shared on purpose.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import secrets
 import stat
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +38,8 @@ import numpy as np
 from .base import PageIO, fits
 
 __all__ = [
-    "CORRUPT", "SUFFIX", "Folder", "Refused", "delete_pages", "open_page", "read_pages", "unlink_at", "write_pages",
+    "CORRUPT", "GROUP", "PRIVATE", "SUFFIX", "Folder", "Modes", "Refused", "delete_pages", "open_page", "read_pages",
+    "unlink_at", "write_pages",
 ]
 
 log = logging.getLogger("hicache.tiers.storage.file")
@@ -47,6 +54,33 @@ _SHARD = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
 _ROOT = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
 
 
+@dataclass(frozen=True)
+class Modes:
+    """Permission bits of the folders and page files the tier creates (never of those it finds)."""
+
+    folder: int
+    file: int
+
+    @property
+    def chmod_files(self) -> bool:
+        """Whether each new page file needs an ``fchmod``: a usual umask (``022``) takes group bits
+        away from the ``open`` mode; it can only take bits from ``0600``, never add any."""
+        return bool(self.file & 0o077)
+
+
+PRIVATE = Modes(folder=0o700, file=0o600)
+GROUP = Modes(folder=0o2770, file=0o660)
+
+
+def _set_mode(fd: int, mode: int) -> None:
+    """``fchmod`` a folder or file this process just created (a folder another writer made in the
+    meantime may not be ours to change: left as it is)."""
+    try:
+        os.fchmod(fd, mode)
+    except PermissionError:
+        pass
+
+
 class Refused(Exception):
     """A shard folder is a symbolic link (or not a folder): nothing in it is read or written."""
 
@@ -58,17 +92,25 @@ class Folder:
     their shard's, so no path below the root is resolved through a symbolic link.
     """
 
-    def __init__(self, root: Path, refused: set[str], *, create: bool = False) -> None:
+    def __init__(self, root: Path, refused: set[str], *, create: bool = False, modes: Modes = PRIVATE) -> None:
         self.root = root
         self.refused = refused
         self.create = create
+        self.modes = modes
         try:
             self.fd = os.open(root, _ROOT)
         except FileNotFoundError:
             if not create:
                 raise
-            root.mkdir(parents=True, exist_ok=True)
+            root.parent.mkdir(parents=True, exist_ok=True)  # the folders above: as `mkdir -p` makes them
+            try:
+                os.mkdir(root, modes.folder & 0o777)
+                made = True
+            except FileExistsError:
+                made = False  # another process made it meanwhile: its modes stay
             self.fd = os.open(root, _ROOT)
+            if made:
+                _set_mode(self.fd, modes.folder)
         self._shards: dict[str, int | None] = {}
         self._bad: set[str] = set()
 
@@ -95,8 +137,10 @@ class Folder:
             if not create:
                 self._shards[name] = None
                 return None
+            made = False
             try:
-                os.mkdir(name, 0o755, dir_fd=self.fd)
+                os.mkdir(name, self.modes.folder & 0o777, dir_fd=self.fd)
+                made = True
             except FileExistsError:
                 pass  # another writer made it (or planted something there: the open below decides)
             except OSError as exc:
@@ -105,6 +149,8 @@ class Folder:
                 fd = os.open(name, _SHARD, dir_fd=self.fd)
             except OSError as exc:
                 self._refuse(name, exc)
+            if made:
+                _set_mode(fd, self.modes.folder)
         except OSError as exc:
             self._refuse(name, exc)
         self._shards[name] = fd
@@ -359,7 +405,7 @@ def read_pages(
 def write_pages(
     root: Path, refused: set[str], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
     drop: list[tuple[str, str]], write_batch: Callable[[list[tuple[int, PageIO]]], None] | None = None,
-    direct: bool = False,
+    direct: bool = False, modes: Modes = PRIVATE,
 ) -> list[bool]:
     """Write each page atomically (an unnamed file linked into place, or a temporary file renamed;
     fsynced before, with its folder after, under ``fsync``) in its shard; delete ``drop`` first.
@@ -368,10 +414,10 @@ def write_pages(
     ``write_batch`` (``kind: nixl``): writes every ``(descriptor, page)`` of the call in one go, or
     raises (then none of them is named); by default each page is written with ``writev`` as it is
     opened (with ``O_DIRECT`` under ``direct``). Either way a page gets its name only once all of it
-    is in its file.
+    is in its file. Folders and files created get ``modes``.
     """
     results = [False] * len(places)
-    with Folder(root, refused, create=True) as folder:
+    with Folder(root, refused, create=True, modes=modes) as folder:
         _unlink_places(folder, drop)
         shards: set[int] = set()
         opened: list[tuple[int, int, int, str | None]] = []  # (page, shard fd, file fd, temporary name)
@@ -383,13 +429,15 @@ def write_pages(
                     continue
                 assert sfd is not None  # created
                 try:
-                    fd, tmp = _open_target(sfd, name)
+                    fd, tmp = _open_target(sfd, name, modes)
                 except OSError as exc:
                     log.warning("file backend: cannot write %s/%s: %s", shard, name, exc)
                     continue
                 opened.append((i, sfd, fd, tmp))
                 if write_batch is None:
-                    _settle(opened.pop(), places, pages, fsync, results, shards, write=True, direct=direct)
+                    _settle(
+                        opened.pop(), places, pages, fsync, results, shards, write=True, direct=direct, modes=modes
+                    )
             if write_batch is not None and opened:
                 try:
                     for i, _sfd, _fd, _tmp in opened:
@@ -400,7 +448,7 @@ def write_pages(
                     log.warning("file backend: a batch of %d pages could not be written: %s", len(opened), exc)
                 else:
                     while opened:
-                        _settle(opened.pop(), places, pages, fsync, results, shards, write=False)
+                        _settle(opened.pop(), places, pages, fsync, results, shards, write=False, modes=modes)
         finally:
             for _i, sfd, fd, tmp in opened:  # not named: nothing of them stays
                 os.close(fd)
@@ -421,23 +469,35 @@ def _tmp_name(name: str) -> str:
     return f".{name.removesuffix(SUFFIX)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
-def _open_target(sfd: int, name: str) -> tuple[int, str | None]:
+def _new_file(path: str, flags: int, sfd: int, modes: Modes) -> int:
+    """``open`` a new file with ``modes.file`` (set with ``fchmod`` where the umask may have cut it)."""
+    fd = os.open(path, flags, modes.file, dir_fd=sfd)
+    if modes.chmod_files:
+        try:
+            os.fchmod(fd, modes.file)
+        except OSError:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _open_target(sfd: int, name: str, modes: Modes = PRIVATE) -> tuple[int, str | None]:
     """A new file to write page ``name`` into: without a name (``O_TMPFILE``, ``None``) where the
     file system takes it, else under a temporary name in the shard."""
     if _anonymous[0]:
         try:
-            return os.open(".", os.O_WRONLY | os.O_TMPFILE | _CLOEXEC, 0o644, dir_fd=sfd), None
+            return _new_file(".", os.O_WRONLY | os.O_TMPFILE | _CLOEXEC, sfd, modes), None
         except OSError as exc:
             if exc.errno not in _NO_TMPFILE:
                 raise
             _anonymous[0] = False
     tmp = _tmp_name(name)
-    return os.open(tmp, _PAGE_WRITE, 0o644, dir_fd=sfd), tmp
+    return _new_file(tmp, _PAGE_WRITE, sfd, modes), tmp
 
 
 def _settle(
     target: tuple[int, int, int, str | None], places: list[tuple[str, str]], pages: Sequence[PageIO], fsync: bool,
-    results: list[bool], shards: set[int], *, write: bool, direct: bool = False,
+    results: list[bool], shards: set[int], *, write: bool, direct: bool = False, modes: Modes = PRIVATE,
 ) -> None:
     """Write (with ``write``), fsync (under ``fsync``) and name one opened page; its descriptor is closed."""
     i, sfd, fd, tmp = target
@@ -454,7 +514,7 @@ def _settle(
         finally:
             os.close(fd)
         if not named:  # no /proc to link an unnamed file from: the rename path from now on
-            _write_renamed(sfd, name, pages[i], fsync, direct)
+            _write_renamed(sfd, name, pages[i], fsync, direct, modes)
     except OSError as exc:
         if tmp is not None:
             unlink_at(sfd, tmp)
@@ -500,12 +560,14 @@ def _write(fd: int, pieces: list[memoryview], direct: bool) -> None:
         _writev(fd, pieces)
 
 
-def _write_renamed(sfd: int, name: str, io: PageIO, fsync: bool, direct: bool = False) -> None:
+def _write_renamed(
+    sfd: int, name: str, io: PageIO, fsync: bool, direct: bool = False, modes: Modes = PRIVATE
+) -> None:
     """Write the page to a temporary file and rename it over ``name`` (which replaces whatever entry
     is there, a forged page, a FIFO or a link, itself)."""
     tmp = _tmp_name(name)
     try:
-        fd = os.open(tmp, _PAGE_WRITE, 0o644, dir_fd=sfd)
+        fd = _new_file(tmp, _PAGE_WRITE, sfd, modes)
         try:
             _write(fd, io.buffers(), direct)
             if fsync:

@@ -38,9 +38,12 @@ Two modes (see docs/security.md):
   ciphertext, standing in for the checksum or MAC. The check runs on the stored bytes before any
   stage decodes them.
 
-A page is used only if every field matches what the reader expects and the check value is right:
-a truncated, corrupted, forged, foreign (another model, geometry or tenant) or misplaced page is a
-*miss*, never data handed to an engine.
+A page is used only if every field matches what the reader expects, the check value is right and
+the header's bytes past the check value (padding, written as zeros in every format) are zero: a
+truncated, corrupted, forged, foreign (another model, geometry or tenant) or misplaced page, or one
+with a byte changed anywhere in its 128-byte header, is a *miss*, never data handed to an engine.
+(The padding is outside the checksum, MAC and AEAD tag; zero is its only accepted value, so there
+is nothing there to forge, and every page written before the check was added still reads.)
 """
 
 from __future__ import annotations
@@ -88,6 +91,20 @@ assert _CHECKSUM_AT + max(_CHECKSUM.size, _MAC_BYTES) <= HEADER_BYTES
 _CODEC_FIELDS = struct.Struct(f"<8sHH{KEY_BYTES}s{KEY_BYTES}sIIIII16sQ{_CODEC_IDS}s4x")
 _CODEC_CHECK_AT = _CODEC_FIELDS.size
 assert _CODEC_CHECK_AT + _MAC_BYTES <= HEADER_BYTES
+
+
+def _padding_at(version: int, keyed: bool, encrypted: bool) -> int | None:
+    """Where a header's zero padding starts (after its fields and check value); ``None``: a version
+    this reader does not lay out (an earlier keyed format)."""
+    if version in (FORMAT_VERSION, KEYED_FORMAT_VERSION):
+        return _CHECKSUM_AT + (_MAC_BYTES if keyed else _CHECKSUM.size)
+    if version in (CODEC_FORMAT_VERSION, KEYED_CODEC_FORMAT_VERSION):
+        return _CODEC_CHECK_AT + (0 if encrypted else _MAC_BYTES if keyed else _CHECKSUM.size)
+    return None
+
+
+def _zero_padding(header: bytes | memoryview, at: int) -> bool:
+    return bytes(header[at:HEADER_BYTES]) == bytes(HEADER_BYTES - at)
 
 
 @dataclass(frozen=True)
@@ -232,6 +249,8 @@ class PageCodec:
         got = bytes(header[: _FIELDS.size])
         if got != expected:
             return self._mismatch(got)
+        if not _zero_padding(header, _CHECKSUM_AT + (_MAC_BYTES if self.keyed else _CHECKSUM.size)):
+            return "padding"
         value = self._check_value(expected, payload, self._stored_nonce(header, _CHECKSUM_AT))
         if not hmac.compare_digest(bytes(header[_CHECKSUM_AT : _CHECKSUM_AT + len(value)]), value):
             return "mac" if self.keyed else "checksum"
@@ -276,6 +295,10 @@ class PageCodec:
         expected = self._fields(key, len(stored))
         if got != expected:
             return self._codec_mismatch(got, key, len(stored))
+        padding = _padding_at(self.version, self.keyed, self.chain.encryption is not None)
+        assert padding is not None
+        if not _zero_padding(header, padding):
+            return "padding"
         if self.chain.encryption is None:
             value = self._check_value(expected, [stored], self._stored_nonce(header, _CODEC_CHECK_AT))
             if not hmac.compare_digest(bytes(header[_CODEC_CHECK_AT : _CODEC_CHECK_AT + len(value)]), value):
@@ -452,6 +475,10 @@ def check_stored_page(codec: PageCodec, storage_key: bytes, blob: bytes | None) 
     logical = header.logical_bytes
     if header.version not in _CODED and logical is not None and logical != header.payload_bytes:
         return StoredPageCheck("corrupt", "geometry", header, ours)
+    keyed = header.version in (KEYED_FORMAT_VERSION, KEYED_CODEC_FORMAT_VERSION)
+    padding = _padding_at(header.version, keyed, header.encrypted)
+    if padding is not None and not _zero_padding(blob, padding):
+        return StoredPageCheck("corrupt", "padding", header, ours)  # no writer of this format leaves it nonzero
     if ours:
         if codec.encoded:
             out = memoryview(bytearray(codec.payload_bytes))
