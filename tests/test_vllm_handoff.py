@@ -25,6 +25,7 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 from hicache import load_config
+from hicache.containers import namespace_from_config
 from hicache.integrations.vllm.channel import ChannelClient, socket_path
 from hicache.integrations.vllm import handoff
 from hicache.integrations.vllm.handoff import notice_key, page_check, pulse_key
@@ -48,9 +49,12 @@ class ReceiveSpec:
     block_ids: list[int]
 
 
-def _config(storage: list[dict[str, Any]], tenant_salt: str = "", **model: Any) -> Any:
+def _config(
+    storage: list[dict[str, Any]], tenant_salt: str = "", tenant_key: str | None = None, **model: Any
+) -> Any:
     return load_config(overrides={
         "tenant_salt": tenant_salt,
+        "tenant_key": tenant_key,
         "model": {"name": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32", **model},
         "page_size": PS,
         "tiers": {"device": {"capacity": "64KiB", "device": "cpu"}, "host": {"capacity": "64KiB"}, "storage": storage},
@@ -366,7 +370,7 @@ def test_a_slow_producer_keeps_its_consumer_waiting_with_its_pulse_and_a_silent_
         other = make_tokens(4 * PS + 1, seed=7)
         portal.call(producer.cache.store, other[: 2 * PS], make_kv(cfg, 2 * PS))
         portal.call(producer.cache.persist, other[: 2 * PS])
-        check = page_check(consumer.cache.controller.tree.seed, other[: 4 * PS], PS)
+        check = page_check(consumer.cache.controller.tree.seed, other[: 4 * PS], PS, "h-2", 0.2)
         started = time.monotonic()
         assert portal.call(consumer.handoffs.expect, "r2", other[: 4 * PS], 4 * PS, [check], 0, "h-2", 0.2)
         copied = Copied()
@@ -417,3 +421,45 @@ def test_one_unheard_pulse_check_does_not_end_a_live_producers_hand_off(
         _assert_bit_for_bit(copied, kv)
         c = consumer.counters
         assert (c.pd_receives, c.pd_receives_producer_silent, c.pd_receive_failures) == (1, 0, 0)
+
+
+def test_with_a_tenant_key_hand_off_parameters_forged_or_altered_by_a_client_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode server takes ``kv_transfer_params`` from whoever reaches it. With a tenant key the
+    check is a MAC that only holders of the key can make, over the tokens, the hand-off id and the
+    pulse period: a check made without the key, or a real one sent with another id (no marker or
+    pulse would ever be seen) or another period (none missed within the bound), is refused at
+    once, counted, and vLLM computes the prompt; the parameters as the producer made them arrive."""
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "run"))
+    shared = [{"kind": "file", "path": str(tmp_path / "shared"), "name": "shared"}]
+    key = "the-tenants-shared-key-0123456789"
+    cfg = _config(shared, tenant_key=key)
+    tokens = make_tokens(4 * PS)
+    kv = make_kv(cfg, 4 * PS)
+    with _pair(cfg, _config(shared, tenant_key=key), send_s=5.0, receive_s=5.0) as (portal, producer, consumer):
+        portal.call(producer.cache.store, tokens, kv)
+        handed = portal.call(producer.handoffs.handoff, "r1", tokens, "h-1")
+        assert handed["tokens"] == 4 * PS and handed["pulse_s"] == handoff.PULSE_S
+        _wait(lambda: producer.handoffs.take({"r1"})[0])
+
+        def expect(req: str, check: str, handoff_id: Any, pulse_s: Any, promised: int = 4 * PS) -> bool:
+            return portal.call(consumer.handoffs.expect, req, tokens[:promised], promised, [check], 0, handoff_id,
+                               pulse_s)
+
+        # The best a client without the key can make: the check of the same model's namespace, unkeyed.
+        unkeyed = namespace_from_config(_config(shared)).digest
+        assert not expect("f1", page_check(unkeyed, tokens, PS, "h-1", handoff.PULSE_S), "h-1", handoff.PULSE_S)
+        assert not expect("f2", handed["check"], "h-2", handed["pulse_s"])  # another id
+        assert not expect("f3", handed["check"], "h-1", 60.0)  # a period that never runs out in the bound
+        assert not expect("f4", handed["check"], "h-1", None)  # the pulse dropped
+        assert not expect("f5", handed["check"], "h-1", handed["pulse_s"], promised=2 * PS)  # other tokens
+        assert consumer.counters.pd_receives_refused == 5
+        assert consumer.handoffs.in_flight == (0, 0)  # nothing waits for any of them
+        # The parameters as the producer made them: received whole, bit for bit.
+        assert expect("r1", handed["check"], "h-1", handed["pulse_s"])
+        copied = Copied()
+        portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens, 0, 4, list(range(4)))], copied)
+        (outcome,) = _received(consumer)
+        assert outcome.from_page == 4 and sorted(copied.pages) == [0, 1, 2, 3]
+        _assert_bit_for_bit(copied, kv)

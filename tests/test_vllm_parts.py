@@ -5,8 +5,14 @@ The end-to-end tests with vLLM itself are in tests/vllm (run in .venv-vllm by `m
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import stat
+import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +22,7 @@ import torch
 from anyio.from_thread import start_blocking_portal
 
 from hicache import ConfigError, UnsupportedModelError, load_config
+from hicache.integrations.vllm import channel
 from hicache.integrations.vllm.channel import ChannelClient, encode, pack_tokens, socket_path, unpack_tokens
 from hicache.integrations.vllm.export import decode
 from hicache.integrations.vllm.export import encode as encode_families
@@ -150,6 +157,24 @@ def test_the_namespace_comes_from_vllms_model_config_and_the_weights_fingerprint
     assert cache_config_for(_vllm_config("org/hub-model", revision="abc123")).model.revision == "abc123"
 
 
+def test_a_decode_server_without_a_tenant_key_warns_that_clients_can_make_hand_off_parameters(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def config(role: str, **overrides: Any) -> Any:
+        vc = _vllm_config(str(tmp_path))
+        vc.kv_transfer_config = SimpleNamespace(kv_role=role)
+        return cache_config_for(vc, {"overrides": overrides})
+
+    with caplog.at_level("WARNING", logger="vllm.hicache"):
+        config("kv_consumer")
+    assert any("kv_transfer_params from whoever reaches" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vllm.hicache"):
+        config("kv_consumer", tenant_key="a-tenant-key-0123456789")
+        config("kv_producer")
+    assert not any("kv_transfer_params" in r.getMessage() for r in caplog.records)
+
+
 def test_page_size_extra_keys_and_unsupported_models_are_checked(tmp_path: Path) -> None:
     vc = _vllm_config(str(tmp_path))
     assert cache_config_for(vc, {"overrides": {"page_size": 32}}).page_size == 32
@@ -260,3 +285,121 @@ def test_the_scheduler_learns_what_the_worker_holds_over_the_channel(tmp_path: P
     gone = ChannelClient(path, timeout_s=1, connect_timeout_s=0.2)
     assert gone.call({"op": "stats"}) is None and gone.failures == 1
     assert not Path(path).exists()
+
+
+# -- the channel's folder: another local user may have made its predictable name first ----------------
+
+_CHANNEL_CONFIG = {
+    "model": {"name": "m", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float32"},
+    "page_size": 4, "tiers": {"device": {"capacity": "64KiB", "device": "cpu"}, "host": {"capacity": "64KiB"}},
+}
+
+
+@pytest.fixture
+def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A temp dir of the test's own in place of /tmp (a short path: a socket's is at most 107 bytes),
+    no runtime dir set, no random folder chosen yet. (``tmp_path`` first: pytest makes it under the real one.)"""
+    tmp = Path(tempfile.mkdtemp(prefix="hcv-"))
+    tmp.chmod(0o1777)  # as /tmp: anyone may create, only the owner may remove
+    monkeypatch.setattr("tempfile.tempdir", str(tmp))
+    monkeypatch.delenv("HICACHE_VLLM_RUNTIME_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(channel, "_fallback", None, raising=False)  # (raising=False: the test runs on older code too)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _private_folder_of_mine(path: Path) -> bool:
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def _plant(kind: str, where: Path, elsewhere: Path) -> None:
+    """What another local user could have left at the predictable name."""
+    elsewhere.mkdir()
+    if kind == "dangling link":
+        where.symlink_to(elsewhere / "gone")
+    elif kind == "link to another folder":
+        where.symlink_to(elsewhere)
+    elif kind == "folder open to others":
+        where.mkdir()
+        where.chmod(0o777)
+    else:  # a folder of another user's (needs root to make here)
+        where.mkdir(mode=0o700)
+        os.chown(where, 65534, 65534)
+
+
+_PLANTED = ["dangling link", "link to another folder", "folder open to others",
+            pytest.param("folder of another user", marks=pytest.mark.skipif(
+                os.geteuid() != 0, reason="making a folder of another user needs root"))]
+
+
+@pytest.mark.parametrize("planted", _PLANTED)
+def test_a_planted_channel_folder_is_never_followed_and_the_channel_still_starts(
+    temp_dir: Path, tmp_path: Path, planted: str
+) -> None:
+    predictable = temp_dir / f"hicache-vllm-{os.getuid()}"
+    elsewhere = tmp_path / "theirs"
+    _plant(planted, predictable, elsewhere)
+    before = os.lstat(predictable)
+    path = Path(socket_path("engine-1"))
+    assert path == Path(socket_path("engine-1"))  # one folder for the process
+    assert _private_folder_of_mine(path.parent) and path.parent.parent == temp_dir
+    assert path.parent != predictable
+    config = load_config(overrides=_CHANNEL_CONFIG, env={})
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(CacheService(config, str(path))):
+        assert list(elsewhere.iterdir()) == []  # nothing made where the link points
+        assert os.lstat(predictable) == before  # and the planted entry left as it was
+        client = ChannelClient(str(path), timeout_s=5)
+        assert client.call({"op": "stats"}) is not None
+        client.close()
+
+
+def test_the_scheduler_process_finds_the_worker_that_fell_back_to_a_random_folder(
+    temp_dir: Path, tmp_path: Path
+) -> None:
+    """Scheduler and worker are separate processes: each finds the predictable folder planted, and
+    the scheduler still reaches the socket the worker listens on."""
+    _plant("dangling link", temp_dir / f"hicache-vllm-{os.getuid()}", tmp_path / "theirs")
+    # Another random folder of this user's sorts first: the scheduler's own choice may differ from the worker's.
+    (temp_dir / f"hicache-vllm-{os.getuid()}-0000").mkdir(mode=0o700)
+    channel._fallback = Path(tempfile.mkdtemp(prefix=f"hicache-vllm-{os.getuid()}-", dir=temp_dir))
+    path = socket_path("engine-9")
+    config = load_config(overrides=_CHANNEL_CONFIG, env={})
+    scheduler = (
+        "import sys; from hicache.integrations.vllm.channel import ChannelClient, socket_path\n"
+        "reply = ChannelClient(socket_path('engine-9'), timeout_s=5, connect_timeout_s=10).call({'op': 'stats'})\n"
+        "sys.exit(0 if reply is not None and 'connector' in reply else 1)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("HICACHE_VLLM_RUNTIME_DIR", "XDG_RUNTIME_DIR")}
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(CacheService(config, path)):
+        done = subprocess.run([sys.executable, "-c", scheduler], env={**env, "TMPDIR": str(temp_dir)},
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_users_runtime_dir_is_preferred_and_only_when_private(temp_dir: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    xdg = temp_dir / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    assert Path(socket_path("e")).parent == xdg / "hicache-vllm"
+    assert _private_folder_of_mine(xdg / "hicache-vllm")
+    xdg.chmod(0o755)  # not a runtime dir as the XDG spec makes it: not used
+    assert Path(socket_path("e")).parent == temp_dir / f"hicache-vllm-{os.getuid()}"
+
+
+def test_an_explicit_runtime_dir_that_is_a_link_or_open_to_others_is_refused(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "link"))
+    with pytest.raises(PermissionError, match="not a link"):
+        socket_path("e")
+    (tmp_path / "open").mkdir()
+    (tmp_path / "open").chmod(0o777)
+    monkeypatch.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp_path / "open"))
+    with pytest.raises(PermissionError):
+        socket_path("e")

@@ -224,13 +224,25 @@ class HiCacheStorageBackend(HiCacheStorage):
     # -- housekeeping ---------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Remove every page of every tier (SGLang's ``/clear_hicache_storage_backend``): shared tiers too."""
-        if self._chain is not None and self._loop is not None:
-            log.warning("hicache: clearing every storage tier on SGLang's request")
-            try:
-                self._loop.call(self._chain.clear)
-            except Exception as exc:  # noqa: BLE001 - a backend that cannot clear says so in the log
-                log.warning("hicache: clear failed: %r", exc)
+        """SGLang's ``/hicache/storage-backend/clear``: this rank's pages by default, not every tenant's
+        and model's on a shared tier (the ``clear`` setting; ``clear.py``). Each tier's outcome is logged."""
+        if self._chain is None or self._loop is None:
+            return
+        scope = self.settings.clear
+        log.warning("hicache: clearing storage on SGLang's request (clear: %s)", scope)
+        try:
+            done = self._loop.call(self._chain.clear, scope)
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot clear says so in the log
+            log.warning("hicache: clear failed: %r", exc)
+            return
+        for t in done:
+            if t.why_not is not None:
+                log.warning("hicache: clear left storage tier %s as it was: %s", t.tier, t.why_not)
+            elif t.removed is None:
+                log.warning("hicache: clear removed every page of storage tier %s", t.tier)
+            else:
+                log.warning("hicache: clear removed %d pages of this rank's namespace from storage tier %s "
+                            "(%d listed; the others are other namespaces')", t.removed, t.tier, t.listed)
 
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (pages and GB/s of each call since the last ask), when it asks."""

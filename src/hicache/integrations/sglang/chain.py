@@ -34,6 +34,7 @@ import anyio
 from ...logs import RateLimited
 from ...stats import TRANSFER_DIRECTIONS, CacheStats, LatencyHistogram
 from ...tiers.storage.tier import PageSource, StorageTier
+from .clear import TierCleared, clear_tiers
 
 __all__ = ["CallRecord", "StorageChain"]
 
@@ -95,9 +96,9 @@ class StorageChain:
             with anyio.move_on_after(self.timeout_s, shield=True):
                 await stack.aclose()
 
-    async def clear(self) -> None:
-        for tier in self.tiers:
-            await tier.backend.clear()
+    async def clear(self, scope: str) -> list[TierCleared]:
+        """SGLang's clear, as far as ``scope`` reaches (``clear.py``)."""
+        return await clear_tiers(self.tiers, scope, writes=self.writes)
 
     # -- SGLang's three questions ---------------------------------------------------------------
 

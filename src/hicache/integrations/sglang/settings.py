@@ -11,7 +11,12 @@
 * ``metrics_port`` / ``metrics_host``: serve hicache's Prometheus metrics there (default: none;
   host ``127.0.0.1``; a rank listens on ``metrics_port + pp_rank * tp_size + tp_rank``; 0: any free port);
 * ``dump_config``: a path to write the effective hicache config to (secrets masked), for
-  ``hicache inspect`` (``{tp_rank}`` and ``{pp_rank}`` in it are filled in).
+  ``hicache inspect`` (``{tp_rank}`` and ``{pp_rank}`` in it are filled in);
+* ``clear``: what SGLang's ``/hicache/storage-backend/clear`` removes (``clear.py``): ``namespace``
+  (default) this rank's pages only, found as ``hicache inspect purge --namespace this`` finds them
+  (other models', layouts' and tenants' pages on a shared tier stay); ``all`` every page of every
+  tier, whoever wrote it; ``off`` nothing. SGLang serves that endpoint to anyone who reaches its
+  port unless ``--admin-api-key`` is set.
 
 Keys it does not know are logged and ignored, so an SGLang release that passes a new one never
 fails the backend; a value it knows and cannot use is a ``ConfigError`` when SGLang builds it.
@@ -23,6 +28,14 @@ can share pages), its KV geometry as this rank holds it (from the host pool), th
 page byte order of the host layout, and the parallel layout (``tp_rank``/``tp_size``,
 ``pp_rank``/``pp_size``, the stage's first layer; ``is_mla_model``). Attention context parallelism
 (``attn_cp_size > 1``) adds the CP rank to the model's name: each CP rank holds its own slice.
+
+The model's ``revision`` is the weights' fingerprint, as the vLLM connector makes it
+(``weights_fingerprint``: xxh3-128 over the weight files of a local model folder), unless the
+config pins ``model.revision``: so KV of other weights under the same name is never served. The
+folder is SGLang's ``--model-path`` (from its runtime context), else the model's name when that is
+a folder (SGLang's served name defaults to the path). A model SGLang loads from the Hub by id has
+no local folder to read: SGLang's ``--revision`` is used if set, else its pages are keyed by name
+alone, and a warning at start says so.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,9 +51,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ...config import HiCacheConfig
 from ...containers import load_config
 from ...errors import ConfigError, UnsupportedModelError
+from ..vllm.settings import weights_fingerprint  # the vLLM connector's own: one fingerprint for one set of weights
 from .host_pages import PAGE_ORDERS
 
-__all__ = ["BackendSettings", "SGLANG_KEYS", "backend_settings", "cache_config_for", "check_model_name", "user_config"]
+__all__ = [
+    "BackendSettings", "SGLANG_KEYS", "backend_settings", "cache_config_for", "check_model_name", "user_config",
+    "weights_revision",
+]
 
 log = logging.getLogger("hicache.sglang")
 
@@ -68,6 +85,7 @@ class BackendSettings(BaseModel):
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
     dump_config: str | None = None
+    clear: Literal["namespace", "all", "off"] = "namespace"
 
 
 def backend_settings(extra: Mapping[str, Any] | None) -> BackendSettings:
@@ -175,17 +193,46 @@ def cache_config_for(settings: BackendSettings, storage_config: Any, pool: Any) 
     probe = load_config(
         settings.config, overrides=_merge(_overrides(settings), {"model": model, "page_size": page_size, "parallel": parallel})
     )
+    revision = user.model.revision or weights_revision(storage_config)
     derived = {
-        "model": {**model, "revision": user.model.revision},
+        "model": {**model, "revision": revision},
         "page_size": page_size,
         "parallel": parallel,
         # Unused by the backend (SGLang owns device and host memory); one page each keeps the config valid.
         "tiers": {"device": {"capacity": probe.page_bytes}, "host": {"capacity": probe.page_bytes}},
     }
     config = load_config(settings.config, overrides=_merge(_overrides(settings), derived))
-    if not user.model.revision:
-        log.info("hicache: pages of %s are keyed by its name (set model.revision to pin its weights)", model["name"])
+    if not revision:
+        log.warning(
+            "hicache: pages of %s are keyed by its name alone: no local model folder to fingerprint and no "
+            "--revision, so KV of other weights under this name would be served; set model.revision in the "
+            "hicache config (a release tag, a commit) to pin the weights", model["name"],
+        )
     return config
+
+
+def weights_revision(storage_config: Any) -> str:
+    """The revision of the weights SGLang serves: the fingerprint of its local model folder, else
+    SGLang's ``--revision``, else ``""`` (none known)."""
+    path, revision = _sglang_model()
+    for folder in dict.fromkeys((path, getattr(storage_config, "model_name", None))):
+        if folder and Path(str(folder)).expanduser().is_dir():
+            fingerprint = weights_fingerprint(Path(str(folder)).expanduser())
+            if fingerprint is not None:
+                return f"xxh3-128:{fingerprint}"
+    return str(revision or "")
+
+
+def _sglang_model() -> tuple[str | None, str | None]:
+    """SGLang's ``--model-path`` and ``--revision`` from its runtime context (``(None, None)`` where
+    it has published none, as in a bare test, or an SGLang release without it)."""
+    try:
+        from sglang.srt.runtime_context import get_model
+
+        bag = get_model()
+        return getattr(bag, "model_path", None), getattr(bag, "revision", None)
+    except Exception:  # noqa: BLE001 - not published, or another SGLang: the name is the fallback
+        return None, None
 
 
 def _overrides(settings: BackendSettings) -> dict[str, Any]:

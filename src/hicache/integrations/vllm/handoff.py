@@ -4,7 +4,8 @@ awaited and copied into vLLM's blocks. Every wait is bounded; every outcome is c
 **Producer** (``kv_producer``, ``kv_both``). When a request that asked for a remote decode
 finishes, the scheduler sends ``handoff`` with the prompt's tokens. The worker waits for the steps
 vLLM ended before (their pages committed), answers how many leading tokens the cache holds and a
-``check`` (a digest of the last page's key: it names namespace, tenant, page size and tokens), and
+``check`` (a MAC keyed by the last page's key, which names namespace, tenant, page size and
+tokens, over the hand-off's id and pulse period: ``page_check``), and
 starts making them durable in the shared tier (``HiCache.persist``; a write the tier refuses is
 tried again, backing off, until shortly before the bound). The scheduler returns those
 in ``kv_transfer_params`` and keeps the request's blocks; the request is reported finished-sending
@@ -24,15 +25,17 @@ The blocks are not read after the request's last step (its pages were copied int
 during the forward): holding them is what bounds the memory of hand-offs still in flight.
 
 **Consumer** (``kv_consumer``, ``kv_both``). The request arrives with those parameters. Its queued
-lookup carries them (``expect``): the worker compares the check with its own for the same tokens
-(a consumer of other weights, another tenant or another page size differs and is refused at once,
-counted: vLLM computes the prompt), then watches for the pages while the request waits, asking
-the cache (a lookup with prefetch: storage pages come up into the host tier as they appear) until
-they are all there, the producer's marker says it gave up (what the tier holds then is all that
-comes: counted, ``pd_receives_given_up``), or ``receive_timeout_s`` has passed. Once vLLM has given the request blocks
-(``begin``, from the step's metadata), the pages are held where they lie and copied into those
-blocks in a cache thread, off vLLM's thread, and the request is reported received; pages the
-tier listed but whose read came up short (a transfer that failed or timed out) are read again
+lookup carries them (``expect``): the worker compares the check with its own for the same tokens,
+id and period (a consumer of other weights, another tenant or another page size differs and is
+refused at once, counted: vLLM computes the prompt; with a tenant key, so are parameters a client
+forged or altered, since only holders of the key can make a check), then watches for the pages
+while the request waits, asking the cache (a lookup with prefetch: storage pages come up into the
+host tier as they appear) until they are all there, the producer's marker says it gave up (what
+the tier holds then is all that comes: counted, ``pd_receives_given_up``), or ``receive_timeout_s``
+has passed. Once vLLM has given the request blocks (``begin``, from the step's metadata), the
+pages are held where they lie and copied into those blocks in a cache thread, off vLLM's thread,
+and the request is reported received; pages the tier listed but whose read came up short (a
+transfer that failed or timed out) are read again
 while the receive's time lasts (counted: ``pd_receive_retries``). What did not
 arrive in time is reported as failed blocks in the same step, and vLLM recomputes it
 (``kv_load_failure_policy="recompute"``). A request aborted meanwhile ends its receive at once.
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import logging
 import threading
 import time
@@ -115,13 +119,20 @@ class _Receive:
         self.copying.cancel()
 
 
-def page_check(seed: bytes, tokens: list[int], page_size: int) -> str:
-    """The digest a producer and a consumer compare: of the last full page's key (which chains the
-    namespace, the tenant and every token before it), so it reveals no key."""
+def page_check(seed: bytes, tokens: list[int], page_size: int, handoff_id: Any = None, pulse_s: Any = None) -> str:
+    """The digest a producer and a consumer compare: a MAC, keyed by the last full page's key (which
+    chains the namespace, the tenant and every token before it), of the hand-off's id and pulse
+    period. It reveals no key. With a tenant key the chain's seed is secret, so nobody without the
+    key can make a check, nor change the tokens, the id or the period a real one was made for (a
+    consumer refuses such parameters); without one the seed follows from public facts (the model,
+    its weights, the geometry), and anyone who knows them can (``docs/engines/pd.md``)."""
     keys = chain_keys(seed, as_token_bytes(tokens), page_size)
     if not keys:
         return ""
-    return hashlib.blake2b(keys[-1], digest_size=16, person=b"hicache-pd-check").hexdigest()
+    ident = handoff_id if isinstance(handoff_id, str) else ""
+    pulse = repr(float(pulse_s)) if isinstance(pulse_s, int | float) and not isinstance(pulse_s, bool) else ""
+    return hashlib.blake2b(f"{ident}\0{pulse}".encode(), key=keys[-1], digest_size=16,
+                           person=b"hicache-pd-check").hexdigest()
 
 
 def notice_key(seed: bytes, tokens: list[int], page_size: int, handoff_id: str) -> bytes | None:
@@ -177,9 +188,9 @@ class Handoffs:
     def _cache(self) -> Any:
         return self.service._cache
 
-    def _check(self, tokens: list[int]) -> str:
+    def _check(self, tokens: list[int], handoff_id: Any, pulse_s: Any) -> str:
         cache = self._cache
-        return page_check(cache.controller.tree.seed, tokens, cache.page_size)
+        return page_check(cache.controller.tree.seed, tokens, cache.page_size, handoff_id, pulse_s)
 
     def _notice_key(self, tokens: list[int], handoff_id: Any) -> bytes | None:
         """The marker's name, or None for a missing or malformed id (the receive bound alone ends it)."""
@@ -214,9 +225,11 @@ class Handoffs:
         self._sends += 1
         notice = self._notice_key(tokens[:n], handoff_id)
         self.service.spawn(self._send, req_id, tokens[:n], notice, anyio.current_time())
-        reply: dict[str, Any] = {"tokens": n, "check": self._check(tokens[:n])}
-        if notice is not None and self._shared_tier() is not None:
-            reply["pulse_s"] = PULSE_S  # the consumer may stop waiting when the pulses stop
+        # The consumer may stop waiting when the pulses stop; the check covers the period and the id.
+        pulse = PULSE_S if notice is not None and self._shared_tier() is not None else None
+        reply: dict[str, Any] = {"tokens": n, "check": self._check(tokens[:n], handoff_id, pulse)}
+        if pulse is not None:
+            reply["pulse_s"] = pulse
         return reply
 
     async def _send(self, req_id: str, tokens: list[int], notice: bytes | None, begun: float) -> None:
@@ -318,13 +331,14 @@ class Handoffs:
         producer leaves word that it gave up; ``pulse_s``: how often it leaves a pulse while it
         sends (older producers send neither: the bound alone ends the wait)."""
         c = self.service.counters
-        mine = self._check(tokens)
+        mine = self._check(tokens, handoff_id, pulse_s)
         theirs = checks[rank] if isinstance(checks, list) and 0 <= rank < len(checks) else None
         tp = self.service.config.parallel.tp_size
-        if not mine or not isinstance(theirs, str) or len(checks) != tp or theirs != mine:
+        if (not mine or not isinstance(theirs, str) or len(checks) != tp
+                or not hmac.compare_digest(theirs.encode(), mine.encode())):
             c.pd_receives_refused += 1
-            log.info("hicache: %s: the prefill server's KV is not this namespace's (other weights, tenant, page "
-                     "size or tokens); vLLM computes the prompt", req_id)
+            log.info("hicache: %s: the hand-off's parameters are not this namespace's (other weights, tenant, page "
+                     "size or tokens), or were altered or forged; vLLM computes the prompt", req_id)
             return False
         self._end(req_id)  # a request id seen again (a retry): start over
         low, high = _PULSE_RANGE_S

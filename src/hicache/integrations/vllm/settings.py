@@ -276,10 +276,10 @@ def cache_config_for(
     if base.model.revision:
         model["revision"] = base.model.revision  # the operator's pin wins over the fingerprint
     elif fingerprint:
-        fingerprint = weights_fingerprint(vllm_config.model_config.model)
+        digest = weights_fingerprint(vllm_config.model_config.model)
         revision = vllm_config.model_config.revision
-        if fingerprint is not None:
-            model["revision"] = f"xxh3-128:{fingerprint}"
+        if digest is not None:
+            model["revision"] = f"xxh3-128:{digest}"
         elif revision:
             model["revision"] = str(revision)
         else:
@@ -308,7 +308,17 @@ def cache_config_for(
             "its worker then; raise VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (and --shutdown-timeout) to give it more",
             max_shutdown_s, wanted,
         )
-    return load_config(path, overrides=_merge(user, derived))
+    config = load_config(path, overrides=_merge(user, derived))
+    role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
+    if fingerprint and role == "kv_consumer" and config.tenant_key is None:
+        log.warning(
+            "hicache: a kv_consumer without a tenant_key takes kv_transfer_params from whoever reaches its API: "
+            "without the key anyone who knows the model can make a hand-off's check, and so park a request up to "
+            "pd.receive_timeout_s=%.0f s holding its blocks. Let only the proxy reach this server, or set "
+            "tenant_key (the same on the prefill servers): then parameters not made by one are refused",
+            _pd_options(extra.get("pd")).receive_timeout_s,
+        )
+    return config
 
 
 def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
