@@ -152,7 +152,9 @@ def test_only_the_composition_root_imports_dependency_injector(graph: dict[str, 
 def test_config_describes_keys_and_stats_take_values(graph: dict[str, set[str]]) -> None:
     """config imports no tier (the composition root resolves backend kinds); keys and stats name no config."""
     inside = {m: {t for t in ts if t.startswith("hicache")} for m, ts in graph.items()}
-    assert inside["hicache.config"] <= {"hicache.errors", "hicache.config_yaml", "hicache.redaction"}
+    assert inside["hicache.config"] <= {
+        "hicache.errors", "hicache.config_yaml", "hicache.redaction", "hicache.layer_kinds"
+    }
     assert inside["hicache.keys"] <= {"hicache.errors"}
     assert inside["hicache.stats"] == set()
     assert "hicache.containers" not in inside["hicache.cache"]

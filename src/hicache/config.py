@@ -54,6 +54,7 @@ from pydantic_core import PydanticCustomError
 from hicache.errors import ConfigError
 
 from .config_yaml import MAX_YAML_BYTES, Budget, copy_tree, dotted, load_yaml, read_yaml, substitute
+from .layer_kinds import LayerKinds
 from .redaction import SECRET_MASK, SECRET_NAME, mask_url, redacted
 
 if TYPE_CHECKING:
@@ -140,6 +141,17 @@ def _no_bool(value: object) -> object:
     return value
 
 
+def _parse_layers(value: object) -> LayerKinds:
+    try:
+        return LayerKinds.parse(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as exc:
+        raise PydanticCustomError("layer_kinds", str(exc)) from None
+
+
+def _layers_out(value: LayerKinds) -> list[str]:
+    return [k.text for k in value]
+
+
 def _field_error(field: str, message: str) -> PydanticCustomError:
     """A cross-field error that still points at one field (``loc`` only names the model)."""
     return PydanticCustomError("hicache_field", message, {"field": field})
@@ -173,6 +185,8 @@ class ModelConfig(BaseModel):
     dtype: Literal["float32", "float16", "bfloat16", "float64"] = "float32"
     attention: Literal["mha", "mla"] = "mha"
     revision: str = ""
+    # Per layer: "full" or "sliding:<window>" (layer_kinds.py); empty: every layer full attention.
+    layers: Annotated[LayerKinds, BeforeValidator(_parse_layers), PlainSerializer(_layers_out)] = LayerKinds()
 
     @model_validator(mode="after")
     def _mla_has_one_head(self) -> ModelConfig:
@@ -180,6 +194,10 @@ class ModelConfig(BaseModel):
             raise _field_error(
                 "num_kv_heads",
                 f"must be 1 when attention is 'mla' (one shared latent per token), got {self.num_kv_heads}",
+            )
+        if self.layers and len(self.layers) != self.num_layers:
+            raise _field_error(
+                "layers", f"lists {len(self.layers)} layers, but num_layers is {self.num_layers}"
             )
         return self
 

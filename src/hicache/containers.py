@@ -93,6 +93,7 @@ def namespace_from_config(config: HiCacheConfig) -> Namespace:
         pp_size=p.pp_size,
         first_layer=p.pp_rank * m.num_layers if p.first_layer is None else p.first_layer,
         total_kv_heads=p.total_kv_heads,
+        layer_kinds=m.layers.canonical(),
     )
 
 

@@ -105,6 +105,8 @@ class Namespace:
     pp_size: int = 1
     first_layer: int = 0  # the model layer this stage's first layer is
     total_kv_heads: int | None = None  # over all TP ranks; None: num_kv_heads * tp_size
+    # The layers' kinds (``LayerKinds.canonical()``): "" when every layer is full attention.
+    layer_kinds: str = ""
 
     @property
     def kv_head_range(self) -> tuple[int, int, int] | None:
@@ -139,14 +141,16 @@ class Namespace:
         return total >= self.tp_size or self.tp_rank % (self.tp_size // total) == 0
 
     def _slice_fields(self) -> tuple[object, ...]:
-        """The parallel slice, in the digest only when it is not the whole model (so digests of
-        single-rank caches are what they always were)."""
+        """The parallel slice and a hybrid layout, in the digest only when they are not the plain
+        case (the whole model, every layer full), so digests of such caches are what they always were."""
         out: tuple[object, ...] = ()
         heads = self.kv_head_range
         if heads is not None and (heads[0] != 0 or heads[1] != heads[2]):
             out += ("kv-heads", *heads)
         if self.first_layer != 0:
             out += ("layers", *self.layer_range)
+        if self.layer_kinds:
+            out += ("layer-kinds", self.layer_kinds)
         return out
 
     @property

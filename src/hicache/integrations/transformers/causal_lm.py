@@ -53,14 +53,15 @@ class CachedCausalLM:
     restores every layer before the forward instead of as the forward reaches it.
     ``yield_to_prefills`` (default) makes the cache's backups and storage writes wait while a
     prefill computes (at most ``controller.yield_max_s`` at a time), so they do not compete with it
-    for the cores. ``segment_attention`` (default: where it runs, the CPU) attends with
-    ``attention.py``'s calls (torch's causal flash kernel for the step's own tokens, the prefix
-    unmasked, no ``repeat_kv`` copies; a cold prefill makes exactly the model's own call); ``False``
-    keeps the model's own attention. The restored prefix is copied into the model's cache, page
-    run by page run, as the forward reaches each layer; ``attend_in_pages=True`` (segment
-    attention only) attends over it where it lies in the device pages instead. That saves the
-    copy but costs more than it saves on the CPU: a flash call and a merge per run of pages, in
-    every layer of the prefill and of every decode step (``benchmarks/prefix_attention.py``).
+    for the cores. ``segment_attention`` (default: where it runs, the CPU, for models without
+    sliding-window layers, which it cannot mask) attends with ``attention.py``'s calls (torch's
+    causal flash kernel for the step's own tokens, the prefix unmasked, no ``repeat_kv`` copies; a
+    cold prefill makes exactly the model's own call); ``False`` keeps the model's own attention.
+    The restored prefix is copied into the model's cache, page run by page run, as the forward
+    reaches each layer; ``attend_in_pages=True`` (segment attention only) attends over it where it
+    lies in the device pages instead. That saves the copy but costs more than it saves on the CPU:
+    a flash call and a merge per run of pages, in every layer of the prefill and of every decode
+    step (``benchmarks/prefix_attention.py``).
     """
 
     def __init__(
@@ -91,7 +92,11 @@ class CachedCausalLM:
         available = segments_available(self.device)
         if segment_attention and not available:
             raise UnsupportedModelError(f"segment attention runs on the CPU only (the model is on {self.device})")
-        self.segments = available if segment_attention is None else segment_attention
+        if segment_attention and self.spec.layers.hybrid:
+            raise UnsupportedModelError("segment attention has no sliding window: use the model's own attention")
+        if segment_attention is None:
+            segment_attention = available and not self.spec.layers.hybrid
+        self.segments = segment_attention
         if attend_in_pages and not self.segments:
             raise UnsupportedModelError("attend_in_pages needs segment attention (the CPU)")
         self.attend_in_pages = attend_in_pages

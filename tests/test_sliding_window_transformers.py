@@ -1,0 +1,161 @@
+"""Sliding-window hybrids through the transformers integration (tiny random Gemma 3 and Mistral):
+the layout is read from the model and kept in the namespace, and a restored prefix several windows
+long gives the logits of a full prefill from every tier, in this process and the next."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache import HiCache, UnsupportedModelError
+from hicache.containers import namespace_from_config
+from hicache.integrations.transformers import CachedCausalLM, ModelSpec, model_overrides
+
+from .helpers import assert_consistent
+from .lm_helpers import PAGE, full_prefill_logits, greedy, lm_config, prompt
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+
+WINDOW = 24  # not a multiple of the page: a window's first page is partly outside it
+S, F = "sliding_attention", "full_attention"
+
+
+def tiny_gemma3(seed: int = 0, window: int = WINDOW) -> Any:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, vocab_size=1000, sliding_window=window, layer_types=[S, S, F, S, S, F],
+        max_position_embeddings=4096, initializer_range=0.1,
+    )
+    cfg._name_or_path = f"tiny-gemma3-seed{seed}"
+    torch.manual_seed(seed)
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def tiny_mistral(seed: int = 0) -> Any:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1000, sliding_window=WINDOW, initializer_range=0.1)
+    torch.manual_seed(seed)
+    return MistralForCausalLM(cfg).eval()
+
+
+GEMMA = tiny_gemma3()
+
+
+async def run(lm: CachedCausalLM, tokens: list[int], new_tokens: int = 0) -> tuple[list[int], Any]:
+    await lm.lookup(tokens)
+    async with lm.sequence(tokens) as seq:
+        out = [await seq.prefill()]
+        for _ in range(new_tokens):
+            out.append(await seq.decode(out[-1]))
+    return out, seq
+
+
+def test_the_layout_is_read_from_the_model_and_separates_namespaces() -> None:
+    spec = ModelSpec.of(GEMMA)
+    assert spec.layers.canonical() == f"sliding:{WINDOW}*2,full,sliding:{WINDOW}*2,full"
+    assert spec.layers.sliding == (0, 1, 3, 4) and spec.layers.window == WINDOW
+    assert ModelSpec.of(tiny_mistral()).layers.canonical() == f"sliding:{WINDOW}*2"
+    config = lm_config(GEMMA, None)
+    assert config.model.layers == spec.layers
+    other_window = lm_config(GEMMA, None, model=model_overrides(GEMMA)["model"] | {
+        "layers": [f"sliding:{WINDOW * 2}"] * 2 + ["full"] + [f"sliding:{WINDOW * 2}"] * 2 + ["full"]})
+    all_full = lm_config(GEMMA, None, model=model_overrides(GEMMA)["model"] | {"layers": []})
+    digests = {namespace_from_config(c).digest for c in (config, other_window, all_full)}
+    assert len(digests) == 3, "a cache of one layout must never be served to another"
+    with pytest.raises(UnsupportedModelError, match="layers"):
+        CachedCausalLM(GEMMA, HiCache.from_config(all_full))
+
+
+def test_layers_with_recurrent_state_are_refused_with_the_reason() -> None:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                          num_key_value_heads=1, head_dim=16, vocab_size=1000, num_experts=2,
+                          moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
+                          linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        ModelSpec.of(Qwen3NextForCausalLM(cfg))
+
+
+def test_segment_attention_is_not_used_for_sliding_layers() -> None:
+    assert CachedCausalLM(GEMMA, None).segments is False
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
+        CachedCausalLM(GEMMA, None, segment_attention=True)
+
+
+@pytest.mark.parametrize("model", [GEMMA, tiny_mistral()], ids=["gemma3", "mistral"])
+async def test_a_prefix_from_the_device_gives_the_logits_of_a_full_prefill(model: Any) -> None:
+    tokens = prompt(200, seed=1)  # eight windows
+    async with HiCache.from_config(lm_config(model, None)) as cache:
+        lm = CachedCausalLM(model, cache)
+        await run(lm, tokens[:150])
+        _, seq = await run(lm, tokens)
+        assert seq.cached_tokens == 144 and seq.by_tier["device"] == 144
+        assert torch.allclose(seq.logits, full_prefill_logits(model, tokens), atol=1e-5)
+        await cache.wait_idle()
+        assert_consistent(cache)
+
+
+async def test_a_prefix_from_the_host_gives_the_logits_of_a_full_prefill() -> None:
+    tokens = prompt(130, seed=2)
+    async with HiCache.from_config(lm_config(GEMMA, None, device_pages=8)) as cache:
+        lm = CachedCausalLM(GEMMA, cache)
+        await run(lm, tokens[:100])
+        await cache.wait_idle()
+        await run(lm, prompt(130, seed=3))  # the first prompt's pages leave the device
+        await cache.wait_idle()
+        _, seq = await run(lm, tokens)
+        assert seq.by_tier["host"] == 96 and seq.by_tier["device"] == 0, dict(seq.by_tier)
+        assert torch.allclose(seq.logits, full_prefill_logits(GEMMA, tokens), atol=1e-5)
+
+
+async def test_a_prefix_from_the_file_tier_gives_the_logits_of_a_full_prefill(tmp_path: Path) -> None:
+    tokens = prompt(130, seed=4)
+    config = lm_config(GEMMA, tmp_path / "pages", device_pages=8, host_pages=8)
+    async with HiCache.from_config(config) as cache:
+        lm = CachedCausalLM(GEMMA, cache)
+        await run(lm, tokens[:100])
+        await cache.wait_idle()
+        for seed in (5, 6):  # out of the device, then out of the host
+            await run(lm, prompt(130, seed=seed))
+            await cache.wait_idle()
+        _, seq = await run(lm, tokens)
+        assert seq.by_tier["file"] == 96, dict(seq.by_tier)
+        assert torch.allclose(seq.logits, full_prefill_logits(GEMMA, tokens), atol=1e-5)
+
+
+async def test_greedy_answers_over_a_multi_turn_chat_match_and_a_fresh_process_gets_them_back(
+    tmp_path: Path,
+) -> None:
+    """Turns several windows long, tiers so small that every turn restores from another tier; then
+    a fresh cache over the same folder serves the whole history from the file tier."""
+    config = lm_config(GEMMA, tmp_path / "pages", device_pages=6, host_pages=6)
+    turns = [prompt(70, seed=s) for s in (10, 11, 12)]
+    answers: dict[str, list[list[int]]] = {}
+    history: list[int] = []
+    for name in ("none", "cache"):
+        history = []
+        answers[name] = []
+        async with HiCache.from_config(config) as cache:
+            lm = CachedCausalLM(GEMMA, cache if name == "cache" else None)
+            for turn in turns:
+                history += turn
+                out, seq = await run(lm, history, new_tokens=4)
+                answers[name].append(out)
+                history += out
+                await cache.wait_idle()
+            if name == "cache":
+                assert seq.cached_tokens >= 6 * PAGE  # as much as the host tier can stage
+    assert answers["none"] == answers["cache"]
+    assert answers["none"][0] == greedy(GEMMA, turns[0], 5)
+    async with HiCache.from_config(config) as cache:  # a fresh cache: only the folder is left
+        again, seq = await run(CachedCausalLM(GEMMA, cache), history, new_tokens=3)
+    assert seq.by_tier["file"] == 6 * PAGE, dict(seq.by_tier)  # as much as the host tier can stage
+    assert again == greedy(GEMMA, history, 4)
