@@ -69,7 +69,6 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -83,6 +82,9 @@ try:
     import hicache  # noqa: F401
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # storage_common and the other storage benchmarks
+
+from storage_common import cores_available, cpu_pressure, fsync, raw_read, raw_write  # noqa: E402
 
 from hicache.keys import TenantKey  # noqa: E402
 from hicache.tiers.base import KVGeometry  # noqa: E402
@@ -90,13 +92,6 @@ from hicache.tiers.host import HostPool  # noqa: E402
 from hicache.tiers.storage.file import FileBackend  # noqa: E402
 from hicache.tiers.storage.page_format import HEADER_BYTES, PageCodec  # noqa: E402
 from hicache.tiers.storage.tier import StorageTier  # noqa: E402
-
-
-def cpu_pressure() -> str:
-    try:
-        return Path("/proc/pressure/cpu").read_text().strip()
-    except OSError:
-        return "(unreadable)"
 
 
 def settle(path: Path) -> None:
@@ -112,44 +107,12 @@ def settle(path: Path) -> None:
         os.close(fd)
 
 
-def fsync(path: Path, drop_cache: bool = False) -> None:
-    """fsync a file or folder; with ``drop_cache``, then evict the file from the page cache (no root needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # dirty pages cannot be dropped
-        if drop_cache:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def touch_free_memory(nbytes: int) -> None:
     """Write ``nbytes`` of fresh anonymous memory and free it: the free blocks the next allocations
     take are then backed by the host (see the module docstring: free page reporting)."""
     if nbytes > 0:
         buf = np.ones(nbytes, dtype=np.uint8)  # a fresh mmap: every page faulted in and written
         del buf  # munmap: back to the guest's free lists, where the host still holds it for a while
-
-
-def raw_write(path: Path, header: np.ndarray, pages: np.ndarray, sync: bool, cpu: list[float] | None = None) -> float:
-    """One file: header + payload per page with ``os.write``, one fsync at the end; seconds (and
-    the CPU seconds of the timed part appended to ``cpu``)."""
-    c0 = time.process_time()
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        written = 0
-        for page in pages:
-            written += os.write(fd, header) + os.write(fd, page)
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    elapsed = time.perf_counter() - t0
-    if cpu is not None:
-        cpu.append(time.process_time() - c0)
-    assert written == len(pages) * (HEADER_BYTES + pages.shape[1]), "short raw write"
-    return elapsed
 
 
 def raw_write_files(
@@ -192,46 +155,6 @@ def raw_read_files(folder: Path, header: np.ndarray, into: np.ndarray, cpu: list
             got += os.preadv(fd, [header, page], 0)
         finally:
             os.close(fd)
-    elapsed = time.perf_counter() - t0
-    if cpu is not None:
-        cpu.append(time.process_time() - c0)
-    assert got == len(into) * (HEADER_BYTES + into.shape[1]), "short raw read"
-    return elapsed
-
-
-def cores_available() -> float:
-    """How many cores this process gets right now: what two threads hash at once over what one
-    hashes alone (BLAKE3 releases the GIL), about 2.0 on two free cores, 1.0 when another job holds one."""
-    import blake3
-
-    data = np.random.default_rng(0).integers(0, 256, 16 * 2**20, dtype=np.uint8)
-
-    def work() -> None:
-        for _ in range(4):
-            blake3.blake3(data).digest()
-
-    t0 = time.perf_counter()
-    work()
-    one = time.perf_counter() - t0
-    threads = [threading.Thread(target=work) for _ in range(2)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return 2 * one / (time.perf_counter() - t0)
-
-
-def raw_read(path: Path, header: np.ndarray, into: np.ndarray, cpu: list[float] | None = None) -> float:
-    """Read the raw file back cold, page by page, with ``os.readv``; seconds."""
-    fsync(path, drop_cache=True)
-    c0 = time.process_time()
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        got = sum(os.readv(fd, [header, page]) for page in into)
-    finally:
-        os.close(fd)
     elapsed = time.perf_counter() - t0
     if cpu is not None:
         cpu.append(time.process_time() - c0)
@@ -376,19 +299,21 @@ def main(argv: list[str] | None = None) -> int:
     # The codec axis (bytes per page, logical GB/s per codec chain, for file, redis and s3) is
     # benchmarks/storage_codecs.py: `--codecs none,lossless,...` runs it with the other arguments.
     if any(a == "--codecs" or a.startswith("--codecs=") for a in argv):
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         return __import__("storage_codecs").main(argv)
     # The shared tiers have their own scripts (a server to start, a raw client to compare with);
-    # `--backend redis|mooncake|s3|redis-cluster` runs them with the remaining arguments.
+    # `--backend redis|mooncake|s3|redis-cluster|nixl|nixl-peer` runs them with the remaining arguments.
+    # Each is imported only when asked for (each needs its own client library), by name, so
+    # tests/test_architecture.py sees the arrow.
     if "--backend" in argv:
         i = argv.index("--backend")
         backend, rest = argv[i + 1] if i + 1 < len(argv) else "", argv[:i] + argv[i + 2 :]
-        scripts = {"redis": "storage_redis", "mooncake": "storage_mooncake", "s3": "storage_s3",
-                   "redis-cluster": "storage_redis_cluster", "nixl": "storage_nixl", "nixl-peer": "storage_nixl_peer"}
+        scripts = {
+            "redis": lambda: __import__("storage_redis"), "mooncake": lambda: __import__("storage_mooncake"),
+            "s3": lambda: __import__("storage_s3"), "redis-cluster": lambda: __import__("storage_redis_cluster"),
+            "nixl": lambda: __import__("storage_nixl"), "nixl-peer": lambda: __import__("storage_nixl_peer"),
+        }
         if backend in scripts:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            module = __import__(scripts[backend])
-            return module.main(rest)
+            return scripts[backend]().main(rest)
         if backend != "file":
             raise SystemExit(f"--backend must be file, {', '.join(scripts)}, got {backend!r}")
         argv = rest

@@ -105,7 +105,7 @@ class RawFile:
         self.path = root / "raw.bin"
 
     async def write(self, values: list[np.ndarray]) -> float:
-        from storage import raw_write
+        from storage_common import raw_write
 
         self.path.unlink(missing_ok=True)
         header = values[0][:HEADER_BYTES]
@@ -113,7 +113,7 @@ class RawFile:
         return raw_write(self.path, header, body, False)
 
     async def read(self, values: list[np.ndarray]) -> float:
-        from storage import raw_read
+        from storage_common import raw_read
 
         into = np.empty((len(values), values[0].nbytes - HEADER_BYTES), np.uint8)
         into.fill(0)
@@ -257,7 +257,7 @@ async def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 stored[spec] = (after.encoded_stored_bytes - before.encoded_stored_bytes) / n + HEADER_BYTES \
                     if tier.codec.encoded else g.page_bytes + HEADER_BYTES
                 if args.backend == "file":
-                    from storage import fsync
+                    from storage_common import fsync
 
                     for name in tier.codec.storage_keys(keys):
                         fsync(tier.backend.path_of(name), drop_cache=True)  # type: ignore[attr-defined]

@@ -41,7 +41,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(HERE.parent / "src"))
 
-from storage import cpu_pressure, fsync, raw_read, raw_write  # noqa: E402
+from storage_common import cpu_pressure, fsync, raw_read, raw_write  # noqa: E402
 
 from hicache.tiers.base import KVGeometry  # noqa: E402
 from hicache.tiers.host import HostPool  # noqa: E402

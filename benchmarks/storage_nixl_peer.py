@@ -50,7 +50,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(HERE.parent / "src"))
 
-from storage import cores_available, cpu_pressure  # noqa: E402
+from storage_common import cores_available, cpu_pressure  # noqa: E402
 
 from hicache.keys import TenantKey  # noqa: E402
 from hicache.tiers.base import KVGeometry  # noqa: E402

@@ -1,9 +1,11 @@
 """The drawing of the house: imports as arrows, read from the source, must have no circle and must
-keep the layers (README "How it is built").
+keep the layers (README "How it is built"). The benchmark scripts are part of the house too.
 
-Every import counts: typing-only (``if TYPE_CHECKING:``) and function-level ones are still arrows a
-reader has to follow. ``from package import name`` is an arrow to the submodule ``name`` when
-there is one, else to the package's ``__init__`` (whose re-exports then count too).
+Every import counts: typing-only (``if TYPE_CHECKING:``), function-level ones and ``__import__("name")``
+or ``importlib.import_module("name")`` are still arrows a reader has to follow. ``from package import
+name`` is an arrow to the submodule ``name`` when there is one, else to the package's ``__init__``
+(whose re-exports then count too). ``benchmarks/`` is a folder of scripts, each run as
+``python benchmarks/X.py``, so its modules import one another by their bare names.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # The core: the cache, its config and composition root, the tiers, policies, controller and io.
 CORE = (
@@ -38,6 +41,25 @@ def modules(root: Path) -> dict[str, Path]:
     return out
 
 
+def dynamic_imports(tree: ast.AST) -> list[ast.Call]:
+    """``__import__(...)`` and ``importlib.import_module(...)`` calls: imports a reader could miss."""
+    calls = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id in ("__import__", "import_module")) or (
+                isinstance(f, ast.Attribute) and f.attr == "import_module"
+            ):
+                calls.append(node)
+    return calls
+
+
+def named(call: ast.Call) -> str | None:
+    """The module a dynamic import names as a literal, else None (the arrow cannot be read)."""
+    arg = call.args[0]
+    return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+
+
 def imports(root: Path) -> dict[str, set[str]]:
     """Each module's imports: in-package modules by name, anything else by its top-level package."""
     mods = modules(root)
@@ -45,7 +67,9 @@ def imports(root: Path) -> dict[str, set[str]]:
     for name, path in mods.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        targets.update(t for t in map(named, dynamic_imports(tree)) if t and not t.startswith("."))
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -117,19 +141,58 @@ def graph() -> dict[str, set[str]]:
     return imports(SRC)
 
 
+@pytest.fixture(scope="module")
+def bench_graph() -> dict[str, set[str]]:
+    return imports(BENCHMARKS)
+
+
 def test_the_reader_finds_typing_only_and_function_level_circles(tmp_path: Path) -> None:
     """The check itself can fail: a loop through a TYPE_CHECKING import and a lazy one is a circle."""
     pkg = tmp_path / "pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("from .a import A\n")
-    (pkg / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\nclass A: ...\n")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\nclass A: ...\n"
+    )
     (pkg / "b.py").write_text("def f():\n    from . import c\n")
     (pkg / "c.py").write_text("from pkg import A\n")  # through the package's re-export
     assert circles(imports(tmp_path)) == [["pkg", "pkg.a", "pkg.b", "pkg.c"]]
 
 
+def test_the_reader_follows_scripts_that_run_one_another(tmp_path: Path) -> None:
+    """The check can fail on a folder of scripts: a script that runs another through ``__import__``
+    while that one borrows a helper back is a circle; a shared helper module breaks it."""
+    (tmp_path / "main.py").write_text('def main(argv):\n    return __import__("axis").main(argv)\n')
+    (tmp_path / "axis.py").write_text("def main(argv):\n    from main import helper\n")
+    (tmp_path / "other.py").write_text('import importlib\nimportlib.import_module("axis")\n')
+    assert imports(tmp_path)["other"] == {"axis", "importlib"}
+    assert circles(imports(tmp_path)) == [["axis", "main"]]
+    (tmp_path / "axis.py").write_text("from common import helper\ndef main(argv): ...\n")
+    (tmp_path / "common.py").write_text("import os\ndef helper(): ...\n")
+    assert circles(imports(tmp_path)) == []
+
+
 def test_no_import_circles(graph: dict[str, set[str]]) -> None:
     assert circles(graph) == []
+
+
+def test_no_import_circles_among_the_benchmarks(bench_graph: dict[str, set[str]]) -> None:
+    assert circles(bench_graph) == []
+
+
+def test_the_benchmarks_name_what_they_import_at_run_time() -> None:
+    """A script that picks another by a computed name hides the arrow from this drawing: name it."""
+    hidden = {
+        (name, ast.unparse(call)) for name, path in modules(BENCHMARKS).items()
+        for call in dynamic_imports(ast.parse(path.read_text(encoding="utf-8"))) if named(call) is None
+    }
+    assert not hidden
+
+
+def test_hicache_never_imports_the_benchmarks_or_the_tests(graph: dict[str, set[str]]) -> None:
+    """The benchmarks sit on hicache (and borrow the tests' server launchers); nothing points back."""
+    above = set(modules(BENCHMARKS)) | {"benchmarks", "tests"}
+    assert {(m, t) for m, ts in graph.items() for t in ts if t.split(".")[0] in above} == set()
 
 
 def test_tiers_and_policies_never_import_the_controller(graph: dict[str, set[str]]) -> None:
