@@ -126,3 +126,19 @@ def test_sglangs_controller_loads_it_by_name(tmp_path: Path) -> None:
         assert rig.controller.storage_config.extra_config["module_path"] == MODULE["module_path"]
     finally:
         rig.close()
+
+
+def test_a_hybrid_models_other_host_pools_are_refused_and_the_tiers_closed(tmp_path: Path) -> None:
+    """SGLang's hybrid controller registers every host pool with ``register_mem_host_pool_v2``; only
+    ``kv`` is served, so a sliding-window (or Mamba) pool fails the attach with the reason, not as
+    silent misses and lost backups later."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    _, host = pools("page_first")
+    made = backend(host, {"interface_v1": 1, "storage": [{"kind": "file", "path": str(tmp_path)}]})
+    made.register_mem_host_pool_v2(host, PoolName.KV)  # the anchor pool, as the hybrid controller passes it
+    assert "open" in repr(made)
+    for name in (PoolName.SWA, PoolName.MAMBA):
+        with pytest.raises(UnsupportedModelError, match=f"host pool '{name.value}'.*docs/models.md"):
+            made.register_mem_host_pool_v2(host, name)
+        assert "closed" in repr(made)

@@ -33,6 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from ...config import HiCacheConfig
 from ...containers import namespace_from_config, page_codec_from_config, storage_tier_from_entry
+from ...errors import UnsupportedModelError
 from ...keys import Namespace, external_page_keys
 from ...logs import RateLimited
 from ...stats import CacheStats
@@ -108,6 +109,22 @@ class HiCacheStorageBackend(HiCacheStorage):
             namespace.tp_rank, namespace.tp_size, namespace.pp_rank, namespace.pp_size,
             "writes" if namespace.writes_storage else "reads only (another rank writes these pages)",
         )
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang's hybrid controller registers each host pool of a hybrid model here (``kv``, and
+        ``swa``, ``mamba``, ``indexer``, ...). Only the KV pool is served: another pool's pages would
+        go through ``batch_*_v2``, which this backend does not implement, and SGLang would then lose
+        the KV pages of every backup too (it writes the other pools first). So such a model is
+        refused here, which fails SGLang's attach with the reason, and the tiers are closed."""
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name != "kv":
+            self.close()
+            raise UnsupportedModelError(
+                f"SGLang host pool {name!r} ({type(host_pool).__name__}): hicache's SGLang backend stores "
+                "full-attention and MLA KV pages only; the sliding-window, recurrent and indexer pools of "
+                "hybrid models are not supported yet (docs/models.md)"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
     def _dump_config(self, path: str) -> None:
         assert self.config is not None and self.namespace is not None
