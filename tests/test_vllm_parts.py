@@ -125,7 +125,7 @@ def _vllm_config(model: str, *, block_size: int = 128, mla: bool = False, revisi
     mc = SimpleNamespace(
         model=model, revision=revision, dtype=torch.float32, quantization=None, use_mla=mla, is_hybrid=False,
         is_attention_free=False, max_model_len=1024,
-        get_sliding_window=lambda: None, get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2,
+        hf_text_config=SimpleNamespace(num_hidden_layers=4), get_num_layers=lambda pc: 4, get_num_kv_heads=lambda pc: 2,
         get_head_size=lambda: 8, get_total_num_kv_heads=lambda: 2,
     )
     return SimpleNamespace(
@@ -184,6 +184,26 @@ def test_page_size_extra_keys_and_unsupported_models_are_checked(tmp_path: Path)
         cache_config_for(vc, {"confg": "x.yaml"})
     with pytest.raises(UnsupportedModelError, match="MLA"):
         cache_config_for(_vllm_config(str(tmp_path), mla=True))
+
+
+def test_a_sliding_window_layout_is_read_and_needs_the_hybrid_manager_off(tmp_path: Path) -> None:
+    """Gemma 3's layout from vLLM's HF text config; with vLLM's hybrid KV cache manager on (a block
+    table per layer kind, blocks freed behind the window) the connector refuses the model."""
+    vc = _vllm_config(str(tmp_path))
+    kinds = ["sliding_attention"] * 3 + ["full_attention"]
+    vc.model_config.hf_text_config = SimpleNamespace(num_hidden_layers=4, layer_types=kinds, sliding_window=512)
+    for on in (None, False):
+        vc.scheduler_config.disable_hybrid_kv_cache_manager = on
+        with pytest.raises(UnsupportedModelError, match="disable-hybrid-kv-cache-manager"):
+            cache_config_for(vc)
+    vc.scheduler_config.disable_hybrid_kv_cache_manager = True
+    config = cache_config_for(vc)
+    assert config.model.layers.canonical() == "sliding:512*3,full"
+    vc.model_config.disable_sliding_window = True  # its sliding layers then attend over everything
+    assert cache_config_for(vc).model.name.endswith("|sliding-window-disabled")
+    vc.model_config.hf_text_config.layer_types = ["linear_attention"] * 3 + ["full_attention"]
+    with pytest.raises(UnsupportedModelError, match="linear_attention"):
+        cache_config_for(vc)
 
 
 def test_the_connectors_own_extra_keys_are_checked() -> None:

@@ -30,7 +30,7 @@ def vllm_config(model: str, *, tp: int = 1, rank: int = 0, kv_heads: int = 2, **
     mc = SimpleNamespace(
         model=model, revision="r1", dtype=torch.float32, quantization=None, use_mla=False, is_hybrid=False,
         is_attention_free=False, max_model_len=512,
-        get_sliding_window=lambda: None, get_num_layers=lambda pc: 2,
+        hf_text_config=SimpleNamespace(num_hidden_layers=2), get_num_layers=lambda pc: 2,
         get_num_kv_heads=lambda pc: max(1, kv_heads // pc.tensor_parallel_size), get_head_size=lambda: 8,
         get_total_num_kv_heads=lambda: kv_heads,
     )

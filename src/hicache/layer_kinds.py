@@ -15,8 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["FULL", "LayerKind", "LayerKinds", "SLIDING"]
+from .errors import UnsupportedModelError
+
+__all__ = ["FULL", "LayerKind", "LayerKinds", "SLIDING", "from_hf_config"]
 
 FULL = "full"
 SLIDING = "sliding"
@@ -132,3 +135,35 @@ class LayerKinds(Sequence[LayerKind]):
     def sliced(self, first: int, end: int) -> LayerKinds:
         """The kinds of layers ``[first, end)`` (a pipeline stage's)."""
         return LayerKinds.parse(self.layers[first:end]) if self.layers else self
+
+
+#: Hugging Face ``layer_types`` names of the kinds hicache caches
+_HF_LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING}
+
+
+def from_hf_config(model_name: str, text: Any) -> LayerKinds:
+    """Each layer's kind from a Hugging Face text config: ``layer_types`` (Gemma 3, gpt-oss,
+    Qwen3-Next, ...) or a model-wide ``sliding_window`` (Mistral-style). An unknown kind is refused
+    (``UnsupportedModelError``), never cached as if it were full attention."""
+    layers = int(text.num_hidden_layers)
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    window = getattr(text, "sliding_window", None)
+    if not getattr(text, "use_sliding_window", True):
+        window = None  # Qwen2-style: a window in the config, switched off
+    if not layer_types:
+        layer_types = ["sliding_attention" if window else "full_attention"] * layers
+    unknown = sorted({str(t) for t in layer_types if t not in _HF_LAYER_TYPES})
+    if unknown:
+        raise UnsupportedModelError(
+            f"{model_name}: layers of kind {unknown} keep state hicache does not cache yet "
+            "(it caches full-attention and sliding-window layers)"
+        )
+    if len(layer_types) != layers:
+        raise UnsupportedModelError(
+            f"{model_name}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {layers}"
+        )
+    if "sliding_attention" in layer_types and not window:
+        raise UnsupportedModelError(f"{model_name}: sliding-window layers without a sliding_window in the config")
+    return LayerKinds.parse(
+        LayerKind(_HF_LAYER_TYPES[t], int(window) if t == "sliding_attention" else 0) for t in layer_types
+    )

@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from ...errors import UnsupportedModelError
-from ...layer_kinds import FULL, SLIDING, LayerKind, LayerKinds
+from ...layer_kinds import LayerKinds, from_hf_config
 
 if TYPE_CHECKING:
     from ...config import HiCacheConfig
@@ -18,8 +18,6 @@ __all__ = ["ModelSpec", "model_fingerprint", "model_overrides"]
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _FINGERPRINT_ATTR = "_hicache_fingerprint"
-#: transformers' ``layer_types`` names of the kinds hicache caches
-_LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING}
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ class ModelSpec:
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             dtype=dtype,
-            layers=_layer_kinds(type(model).__name__, text),
+            layers=from_hf_config(type(model).__name__, text),
         )
 
     def check(self, config: HiCacheConfig) -> None:
@@ -69,32 +67,6 @@ class ModelSpec:
             raise UnsupportedModelError(
                 "the cache config does not match the model (build it with model_overrides(model)): " + "; ".join(wrong)
             )
-
-
-def _layer_kinds(model_name: str, text: Any) -> LayerKinds:
-    """Each layer's kind from ``layer_types`` (Gemma 3, gpt-oss, Qwen3-Next, ...) or a model-wide
-    ``sliding_window`` (Mistral-style); an unknown kind is refused, never cached as full attention."""
-    layer_types = list(getattr(text, "layer_types", None) or [])
-    window = getattr(text, "sliding_window", None)
-    if not getattr(text, "use_sliding_window", True):
-        window = None  # Qwen2-style: a window in the config, switched off
-    if not layer_types:
-        layer_types = ["sliding_attention" if window else "full_attention"] * text.num_hidden_layers
-    unknown = sorted({t for t in layer_types if t not in _LAYER_TYPES})
-    if unknown:
-        raise UnsupportedModelError(
-            f"{model_name}: layers of kind {unknown} keep state hicache does not cache yet "
-            "(it caches full-attention and sliding-window layers)"
-        )
-    if len(layer_types) != text.num_hidden_layers:
-        raise UnsupportedModelError(
-            f"{model_name}: layer_types lists {len(layer_types)} layers, num_hidden_layers is {text.num_hidden_layers}"
-        )
-    if "sliding_attention" in layer_types and not window:
-        raise UnsupportedModelError(f"{model_name}: sliding-window layers without a sliding_window in the config")
-    return LayerKinds.parse(
-        LayerKind(_LAYER_TYPES[t], int(window) if t == "sliding_attention" else 0) for t in layer_types
-    )
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

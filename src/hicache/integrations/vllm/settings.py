@@ -46,6 +46,7 @@ import yaml
 from ...config import HiCacheConfig
 from ...containers import load_config
 from ...errors import ConfigError, UnsupportedModelError
+from ...layer_kinds import from_hf_config
 from .gil import DEFAULT_SWITCH_INTERVAL_S
 
 __all__ = [
@@ -180,8 +181,15 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
         raise UnsupportedModelError(f"{name}: latent-attention (MLA) models are not supported by the vLLM connector yet")
     if getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False):
         raise UnsupportedModelError(f"{name}: hybrid and attention-free models keep state hicache does not cache")
-    if mc.get_sliding_window() is not None:
-        raise UnsupportedModelError(f"{name}: sliding-window layers keep only part of the prefix")
+    layers = from_hf_config(name, mc.hf_text_config)
+    if layers.hybrid and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is not True:
+        # With the hybrid manager each layer kind has its own block table, and sliding layers free
+        # blocks behind the window: the connector reads one table and every token's KV.
+        raise UnsupportedModelError(
+            f"{name}: sliding-window layers with vLLM's hybrid KV cache manager on; the hicache connector "
+            "needs it off (--disable-hybrid-kv-cache-manager, which vLLM sets itself for connectors "
+            "without hybrid support unless it was asked for explicitly)"
+        )
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kv_cache_dtype {cache_dtype!r}: only the model dtype ('auto') is supported")
@@ -190,6 +198,8 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
         raise UnsupportedModelError(f"{name}: dtype {mc.dtype} is not supported")
     if mc.quantization:
         name = f"{name}|quantization={mc.quantization}"
+    if layers.hybrid and getattr(mc, "disable_sliding_window", False):
+        name = f"{name}|sliding-window-disabled"  # its sliding layers attend over everything: other KV
     return {
         "name": name,
         "num_layers": mc.get_num_layers(pc),
@@ -197,6 +207,7 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
         "head_dim": mc.get_head_size(),
         "dtype": dtype,
         "attention": "mha",
+        "layers": [k.text for k in layers],
     }
 
 
