@@ -63,3 +63,14 @@ def greedy(model: Any, tokens: list[int], n: int) -> list[int]:
         out.append(nxt)
         seq.append(nxt)
     return out
+
+
+async def run(lm: Any, tokens: list[int], new_tokens: int = 0) -> tuple[list[int], Any]:
+    """Lookup, prefill and ``new_tokens`` greedy decode steps through a ``CachedCausalLM``; the
+    tokens and the sequence (for its figures)."""
+    await lm.lookup(tokens)
+    async with lm.sequence(tokens) as seq:
+        out = [await seq.prefill()]
+        for _ in range(new_tokens):
+            out.append(await seq.decode(out[-1]))
+    return out, seq

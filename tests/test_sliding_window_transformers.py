@@ -15,7 +15,7 @@ from hicache.containers import namespace_from_config
 from hicache.integrations.transformers import CachedCausalLM, ModelSpec, model_overrides
 
 from .helpers import assert_consistent
-from .lm_helpers import PAGE, full_prefill_logits, greedy, lm_config, prompt
+from .lm_helpers import PAGE, full_prefill_logits, greedy, lm_config, prompt, run
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 
@@ -46,15 +46,6 @@ def tiny_mistral(seed: int = 0) -> Any:
 
 
 GEMMA = tiny_gemma3()
-
-
-async def run(lm: CachedCausalLM, tokens: list[int], new_tokens: int = 0) -> tuple[list[int], Any]:
-    await lm.lookup(tokens)
-    async with lm.sequence(tokens) as seq:
-        out = [await seq.prefill()]
-        for _ in range(new_tokens):
-            out.append(await seq.decode(out[-1]))
-    return out, seq
 
 
 def test_the_layout_is_read_from_the_model_and_separates_namespaces() -> None:

@@ -13,21 +13,11 @@ from hicache import HiCache, InvalidRequestError, InvalidTokensError, Unsupporte
 from hicache.integrations.transformers import CachedCausalLM, ModelSpec, model_fingerprint, model_overrides
 
 from .helpers import assert_consistent
-from .lm_helpers import PAGE, full_prefill_logits, greedy, lm_config, prompt, tiny_model
+from .lm_helpers import PAGE, full_prefill_logits, greedy, lm_config, prompt, run, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
 
 MODEL = tiny_model()
-
-
-async def run(lm: CachedCausalLM, tokens: list[int], new_tokens: int = 0) -> tuple[list[int], object]:
-    """Prefill (+ greedy decode); the sequence is returned for its figures."""
-    await lm.lookup(tokens)
-    async with lm.sequence(tokens) as seq:
-        out = [await seq.prefill()]
-        for _ in range(new_tokens):
-            out.append(await seq.decode(out[-1]))
-    return out, seq
 
 
 def test_model_overrides_read_the_geometry_from_the_model() -> None:
