@@ -150,3 +150,28 @@ async def test_greedy_answers_over_a_multi_turn_chat_match_and_a_fresh_process_g
         again, seq = await run(CachedCausalLM(GEMMA, cache), history, new_tokens=3)
     assert seq.by_tier["file"] == 6 * PAGE, dict(seq.by_tier)  # as much as the host tier can stage
     assert again == greedy(GEMMA, history, 4)
+
+
+async def test_a_flipped_byte_in_a_sliding_layer_of_a_stored_page_shortens_the_hit_never_the_answer(
+    tmp_path: Path,
+) -> None:
+    """Every page holds every layer: a byte flipped in one page's first sliding layer (its payload
+    starts with layer 0's keys) is a counted miss, the hit ends before that page, and a fresh cache
+    still answers as the model does."""
+    tokens = prompt(200, seed=20)
+    config = lm_config(GEMMA, tmp_path / "pages")
+    async with HiCache.from_config(config) as cache:
+        await run(CachedCausalLM(GEMMA, cache), tokens)
+        await cache.wait_idle()
+    files = sorted(p for p in (tmp_path / "pages").rglob("*.kv") if p.is_file())
+    assert len(files) == 200 // PAGE
+    victim = files[len(files) // 2]
+    raw = bytearray(victim.read_bytes())
+    raw[128 + 5] ^= 0x10  # after the 128-byte header: layer 0 (sliding), keys
+    victim.write_bytes(bytes(raw))
+    async with HiCache.from_config(config) as cache:
+        out, seq = await run(CachedCausalLM(GEMMA, cache), tokens, new_tokens=3)
+        assert cache.stats().storage["file"].backend.corrupt_pages == 1
+    assert seq.cached_tokens < 200 // PAGE * PAGE and seq.cached_tokens % PAGE == 0
+    assert out == greedy(GEMMA, tokens, 4)
+    assert torch.allclose(seq.logits, full_prefill_logits(GEMMA, tokens + out[:-1]), atol=1e-5)

