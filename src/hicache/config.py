@@ -189,7 +189,7 @@ class ModelConfig(BaseModel):
     layers: Annotated[LayerKinds, BeforeValidator(_parse_layers), PlainSerializer(_layers_out)] = LayerKinds()
 
     @model_validator(mode="after")
-    def _mla_has_one_head(self) -> ModelConfig:
+    def _geometry_agrees(self) -> ModelConfig:
         if self.attention == "mla" and self.num_kv_heads != 1:
             raise _field_error(
                 "num_kv_heads",

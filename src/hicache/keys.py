@@ -140,7 +140,7 @@ class Namespace:
         total = heads[2]
         return total >= self.tp_size or self.tp_rank % (self.tp_size // total) == 0
 
-    def _slice_fields(self) -> tuple[object, ...]:
+    def _layout_fields(self) -> tuple[object, ...]:
         """The parallel slice and a hybrid layout, in the digest only when they are not the plain
         case (the whole model, every layer full), so digests of such caches are what they always were."""
         out: tuple[object, ...] = ()
@@ -169,7 +169,7 @@ class Namespace:
                 self.dtype,
                 self.page_size,
                 self.tenant_salt,
-                *self._slice_fields(),
+                *self._layout_fields(),
             )
         )
         if self.tenant_key is None:
