@@ -91,7 +91,17 @@ def _gemma3_gguf() -> Path:
 
 
 def _convert(folder: Path, gguf_file: str, saved: Path) -> None:
-    """Dequantise ``folder/gguf_file`` and save model and tokenizer as an fp32 folder at ``saved``."""
+    """Dequantise ``folder/gguf_file`` into an fp32 folder at ``saved``, in a child process: the
+    dequantisation churns gigabytes of temporaries, and in the caller's process glibc then serves
+    later large buffers (a cache's tiers) from that reused, already-resident heap."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "hicache.bench.real_models", str(folder), gguf_file, str(saved)]
+    if subprocess.run(cmd, check=False).returncode != 0:
+        raise RuntimeError(f"converting {gguf_file} to fp32 failed (command: {' '.join(cmd)})")
+
+
+def _convert_here(folder: Path, gguf_file: str, saved: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     print(f"converting {gguf_file} to fp32 (first run only) into {saved}", file=sys.stderr)
@@ -138,3 +148,7 @@ def load_real_tokenizer(name: str) -> Any | None:
         return AutoTokenizer.from_pretrained(model_cache_dir() / _FOLDERS[name][0])
     except Exception:
         return None
+
+
+if __name__ == "__main__":  # _convert's child: python -m hicache.bench.real_models FOLDER GGUF_FILE SAVED
+    _convert_here(Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
