@@ -146,26 +146,41 @@ async def test_greedy_answers_over_a_multi_turn_chat_match_and_a_fresh_process_g
                 assert seq.cached_tokens >= 6 * PAGE  # as much as the host tier can stage
     assert answers["none"] == answers["cache"]
     assert answers["none"][0] == greedy(GEMMA, turns[0], 5)
-    async with HiCache.from_config(config) as cache:  # a fresh cache: only the folder is left
+    # A fresh cache: only the folder is left. The file tier keeps sliding layers near the ends of
+    # what it stored only, so a hit ends there: the device must hold the whole history to take it
+    # (a 6-page run of it ends where the sliding layers are absent, and is no hit).
+    async with HiCache.from_config(config) as cache:
         again, seq = await run(CachedCausalLM(GEMMA, cache), history, new_tokens=3)
-    assert seq.by_tier["file"] == 6 * PAGE, dict(seq.by_tier)  # as much as the host tier can stage
+    assert seq.by_tier["file"] == 0 and again == greedy(GEMMA, history, 4), dict(seq.by_tier)
+    roomy = lm_config(GEMMA, config.tiers.storage[0].options["path"], device_pages=32, host_pages=32)
+    async with HiCache.from_config(roomy) as cache:
+        probe = await cache.lookup(history, prefetch=False)
+        again, seq = await run(CachedCausalLM(GEMMA, cache), history, new_tokens=3)
+    # the last turn's prompt, less the page the 6-page device could not take at its store
+    assert probe.tokens == probe.by_tier["file"] == 12 * PAGE, probe
+    assert seq.by_tier["file"] == probe.tokens, dict(seq.by_tier)
     assert again == greedy(GEMMA, history, 4)
 
 
 async def test_a_flipped_byte_in_a_sliding_layer_of_a_stored_page_shortens_the_hit_never_the_answer(
     tmp_path: Path,
 ) -> None:
-    """Every page holds every layer: a byte flipped in one page's first sliding layer (its payload
-    starts with layer 0's keys) is a counted miss, the hit ends before that page, and a fresh cache
-    still answers as the model does."""
+    """A page is stored as its full layers, plus its sliding layers near the prompt's end: a byte
+    flipped in a sliding part is a counted miss, the hit ends before that window (here: no hit),
+    and a fresh cache still answers as the model does."""
     tokens = prompt(200, seed=20)
     config = lm_config(GEMMA, tmp_path / "pages")
     async with HiCache.from_config(config) as cache:
         await run(CachedCausalLM(GEMMA, cache), tokens)
         await cache.wait_idle()
     files = sorted(p for p in (tmp_path / "pages").rglob("*.kv") if p.is_file())
-    assert len(files) == 200 // PAGE
-    victim = files[len(files) // 2]
+    pages = 200 // PAGE
+    window = config.model.layers.window_pages(PAGE)
+    sizes = sorted({f.stat().st_size for f in files})
+    assert len(files) == pages + window and len(sizes) == 2  # every full part, the window's sliding parts
+    sliding_parts = [f for f in files if f.stat().st_size == sizes[1]]  # 4 sliding layers, 2 full
+    assert len(sliding_parts) == window
+    victim = sliding_parts[0]
     raw = bytearray(victim.read_bytes())
     raw[128 + 5] ^= 0x10  # after the 128-byte header: layer 0 (sliding), keys
     victim.write_bytes(bytes(raw))

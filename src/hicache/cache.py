@@ -181,17 +181,23 @@ class HiCache(anyio.AsyncContextManagerMixin):
         tb = as_token_bytes(tokens)
         t0 = time.perf_counter()
         match = ctl.tree.match(tb)
-        by_tier = {"device": 0, "host": 0} | {tier.name: 0 for tier in ctl.storage}
+        runs: list[tuple[str, int]] = []  # (tier, pages) in prefix order
         for i, node in enumerate(match.path):
             pages = match.last_pages if i == len(match.path) - 1 else node.num_pages
-            by_tier["device" if node.device is not None else "host"] += pages * self._page_size
+            runs.append(("device" if node.device is not None else "host", pages))
         ctl.counters.lookups += 1
         stored, started = await ctl.prefetcher.lookup(tb, match, start=prefetch)
         if stored is not None:
-            by_tier.update(stored.by_tier())
-        storage_tokens = stored.tokens if stored is not None else 0
+            runs += [(tier.name, n) for tier, _, n in stored.segments]
+        # No hit ends where a sliding layer's window is not all there (``HiRadixTree.restorable``).
+        total = sum(n for _, n in runs)
+        left = ctl.tree.restorable(match.path, total, stored.thin() if stored is not None else ())
+        by_tier = {"device": 0, "host": 0} | {tier.name: 0 for tier in ctl.storage}
+        for name, n in runs:
+            by_tier[name] = by_tier.get(name, 0) + min(n, left) * self._page_size
+            left -= min(n, left)
         ctl.counters.latency["lookup"].observe(time.perf_counter() - t0)
-        return Hit(match.pages * self._page_size + storage_tokens, MappingProxyType(by_tier), started)
+        return Hit(sum(by_tier.values()), MappingProxyType(by_tier), started)
 
     # -- store ----------------------------------------------------------------------------------
 

@@ -332,6 +332,10 @@ class StorageTierConfig(BaseModel):
     #: Stages applied to every page on write, in order, and undone in reverse on read (none: the
     #: page is the KV itself, read and written in place).
     codec: list[CodecConfig] = Field(default_factory=list)
+    #: For a model with full and sliding-window layers: store each page's sliding layers only near
+    #: the ends of what is written (``tiers/storage/layer_split.py``); off: whole pages. Backends of
+    #: one page size only keep whole pages either way.
+    split_layers: bool = True
 
     @field_validator("codec", mode="before")
     @classmethod
@@ -384,6 +388,8 @@ class StorageTierConfig(BaseModel):
         if isinstance(data, dict):
             if not data.get("codec", True):
                 del data["codec"]  # dumps of tiers without codecs stay as they were
+            if data.get("split_layers") is True:
+                del data["split_layers"]  # likewise the default
             for name in self._secret_fields():
                 if data.get(name) is not None:
                     data[name] = SECRET_MASK

@@ -35,6 +35,7 @@ from .policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy,
 from .policies.prefetch import BestEffort, Timeout, WaitComplete
 from .policies.write import WriteBack, WriteThrough, WriteThroughSelective
 from .radix_tree import HiRadixTree
+from .tiers.storage.layer_split import LayerSplitTier
 from .tiers.base import KVGeometry
 from .tiers.device import DevicePool
 from .tiers.host import HostPool
@@ -145,9 +146,38 @@ def storage_tier_from_entry(
     # A backend that authenticates its peers (``kind: nixl-peer``) derives its secret from the tenant
     # key when it has no ``peer_token`` of its own.
     extra = {"tenant_key": codec.tenant_key} if getattr(cls, "takes_tenant_key", False) else {}
-    return StorageTier(
-        entry.tier_name, cls(**entry.options, **extra), tier_page_codec(codec, entry), host, batch_pages=batch_pages,
-    )
+    backend = cls(**entry.options, **extra)
+    parts = tier_part_codecs(config, codec, entry)
+    if parts is not None:
+        kinds = config.model.layers
+        return LayerSplitTier(
+            entry.tier_name, backend, *parts, host, full_layers=kinds.full, sliding_layers=kinds.sliding,
+            window_pages=kinds.window_pages(config.page_size), batch_pages=batch_pages,
+        )
+    return StorageTier(entry.tier_name, backend, tier_page_codec(codec, entry), host, batch_pages=batch_pages)
+
+
+def tier_part_codecs(
+    config: HiCacheConfig, codec: PageCodec, entry: StorageTierConfig
+) -> tuple[PageCodec, PageCodec] | None:
+    """The codecs of a layer-split tier's two parts (full layers, sliding layers), or ``None`` where
+    the tier keeps whole pages: a model without both kinds, ``split_layers: false``, or a backend
+    of one page size only."""
+    kinds = config.model.layers
+    if not (kinds.splits and entry.split_layers and resolve_backend(entry.kind).variable_size_pages):
+        return None
+
+    def part(layers: tuple[int, ...], name: str) -> PageCodec:
+        geometry = dataclasses.replace(codec.geometry, num_layers=len(layers))
+        return tier_page_codec(dataclasses.replace(codec, geometry=geometry, part=f"layers:{name}"), entry)
+
+    return part(kinds.full, "full"), part(kinds.sliding, "sliding")
+
+
+def window_pages_from_config(config: HiCacheConfig) -> int:
+    """Pages before a hit's end whose sliding layers it needs, where some tier may keep them thin."""
+    kinds = config.model.layers
+    return kinds.window_pages(config.page_size) if kinds.splits else 0
 
 
 def storage_tiers_from_config(config: HiCacheConfig, codec: PageCodec, host: HostPool) -> list[StorageTier]:
@@ -162,9 +192,10 @@ def page_codec_from_config(config: HiCacheConfig) -> PageCodec:
 
 def inspection_target(
     config: HiCacheConfig, tier: str | None = None
-) -> tuple[StorageTierConfig, StorageBackend, PageCodec]:
+) -> tuple[StorageTierConfig, StorageBackend, PageCodec | tuple[PageCodec, ...]]:
     """The storage tier ``hicache inspect`` reads: its entry, a backend for it (not opened, set up as
-    a reader: see ``StorageBackend.inspection_options``) and the config's page codec."""
+    a reader: see ``StorageBackend.inspection_options``) and its page codec (a layer-split tier's:
+    one per part)."""
     entries = config.tiers.storage
     names = [e.tier_name for e in entries]
     if not entries:
@@ -178,7 +209,9 @@ def inspection_target(
     else:
         raise ConfigError(f"no storage tier named {tier!r} in the config (it has: {', '.join(names)})")
     cls = resolve_backend(entry.kind)
-    return entry, cls(**cls.inspection_options(entry.options)), tier_page_codec(page_codec_from_config(config), entry)
+    codec = page_codec_from_config(config)
+    parts = tier_part_codecs(config, codec, entry)
+    return entry, cls(**cls.inspection_options(entry.options)), parts if parts is not None else tier_page_codec(codec, entry)
 
 
 class Container(containers.DeclarativeContainer):
@@ -190,6 +223,7 @@ class Container(containers.DeclarativeContainer):
         HiRadixTree,
         page_size=config.provided.page_size,
         namespace_digest=namespace.provided.digest,
+        window_pages=providers.Callable(window_pages_from_config, config),
     )
 
     device_pool = providers.Singleton(

@@ -19,7 +19,7 @@ from typing import Any
 
 from .errors import UnsupportedModelError
 
-__all__ = ["FULL", "LayerKind", "LayerKinds", "SLIDING", "from_hf_config"]
+__all__ = ["FULL", "LayerKind", "LayerKinds", "SLIDING", "from_hf_config", "restorable_end"]
 
 FULL = "full"
 SLIDING = "sliding"
@@ -119,6 +119,18 @@ class LayerKinds(Sequence[LayerKind]):
         every sliding layer may still attend to."""
         return max((k.window for k in self.layers if k.kind == SLIDING), default=0)
 
+    def window_pages(self, page_size: int) -> int:
+        """Pages before a prefix's end whose sliding layers a continuation may read (0 when no
+        layer slides). One page more than the window spans, so a hit an engine shortens by a page
+        (it recomputes the prompt's last token) still finds its window."""
+        w = self.window
+        return 0 if not w else -(-(w - 1) // page_size) + 1
+
+    @property
+    def splits(self) -> bool:
+        """Whether pages can be kept in two parts: some layers full, some sliding."""
+        return bool(self.sliding) and bool(self.full)
+
     def canonical(self) -> str:
         """Run-length text of the layout (``"sliding:512*5,full,..."``; ``""`` when every layer is full),
         digested into the namespace so a cache of one layout is never served to another."""
@@ -167,3 +179,19 @@ def from_hf_config(model_name: str, text: Any) -> LayerKinds:
     return LayerKinds.parse(
         LayerKind(_HF_LAYER_TYPES[t], int(window) if t == "sliding_attention" else 0) for t in layer_types
     )
+
+
+def restorable_end(end: int, thin: Iterable[tuple[int, int]], window_pages: int) -> int:
+    """The longest prefix, at most ``end`` pages, that can be continued exactly: no page among the
+    ``window_pages`` before its end is *thin* (its sliding layers' KV absent). ``thin``: page
+    ranges ``[first, stop)``. The one rule for every tier (the index, storage probes)."""
+    if window_pages <= 0:
+        return end
+    ranges = sorted(thin)
+    while end > 0:
+        low = max(0, end - window_pages)
+        inside = [max(a, low) for a, b in ranges if a < end and b > low]
+        if not inside:
+            return end
+        end = min(inside)  # a window holding that thin page cannot end past it
+    return 0

@@ -40,6 +40,7 @@ from types import MappingProxyType
 from typing import Any
 
 from .keys import KEY_BYTES, TOKEN_BYTES, TokenBytes, chain_keys
+from .layer_kinds import restorable_end
 
 __all__ = ["TreeNode", "HiRadixTree", "MatchResult", "Pin", "CHANGED", "NO_CHILDREN"]
 
@@ -107,6 +108,7 @@ class TreeNode:
         "last_access",
         "created",
         "priority",
+        "thin",
     )
 
     def __init__(
@@ -135,6 +137,9 @@ class TreeNode:
         self.last_access = time.monotonic()
         self.created = self.last_access
         self.priority = 0
+        #: Leading pages whose sliding-window layers hold no KV (read back from a storage tier
+        #: that keeps those layers only near prefix ends): a hit may pass them, never end near them.
+        self.thin = 0
 
     @property
     def num_pages(self) -> int:
@@ -294,8 +299,10 @@ class Pin:
 class HiRadixTree:
     """Page-granular radix tree over token ids (stored as int64 bytes)."""
 
-    def __init__(self, page_size: int, namespace_digest: bytes) -> None:
+    def __init__(self, page_size: int, namespace_digest: bytes, *, window_pages: int = 0) -> None:
         self.page_size = page_size
+        #: Pages before a hit's end whose sliding layers must hold KV (0: no layer slides).
+        self.window_pages = window_pages
         self.page_bytes = page_size * TOKEN_BYTES
         self.seed = namespace_digest
         #: Pages of each tier held by nodes with a lease (``lease_ref > 0``): what waiting for
@@ -377,6 +384,20 @@ class HiRadixTree:
             pos += matched
         return result
 
+    def restorable(self, path: Sequence[TreeNode], pages: int, thin: Iterable[tuple[int, int]] = ()) -> int:
+        """How many of the first ``pages`` pages along ``path`` a hit may claim: the longest prefix
+        whose window has no thin page (``layer_kinds.restorable_end``); ``thin``: more thin page
+        ranges past the path (pages a storage tier would bring back thin)."""
+        if not self.window_pages:
+            return pages
+        ranges = list(thin)
+        at = 0
+        for node in path:
+            if node.thin:
+                ranges.append((at, at + node.thin))
+            at += node.num_pages
+        return restorable_end(pages, ranges, self.window_pages)
+
     def split(self, node: TreeNode, at_pages: int) -> TreeNode:
         """Split ``node`` after ``at_pages`` pages; return the new prefix node (the new parent)."""
         assert 0 < at_pages < node.num_pages
@@ -405,6 +426,7 @@ class HiRadixTree:
         prefix.last_access = node.last_access
         prefix.created = node.created
         prefix.priority = node.priority
+        prefix.thin, node.thin = min(node.thin, at_pages), max(0, node.thin - at_pages)
         parent.children[node.tokens[:pb]] = prefix  # type: ignore[index]  # ``node``'s entry: a dict
         node.tokens = node.tokens[at_pages * pb :]
         node._keys = node._keys[kb:]

@@ -46,8 +46,8 @@ async def bring_up(ctl: CacheController, tb: TokenBytes) -> Brought:
     rest = await ctl.prefetcher.before_retrieve(tb)
     path = ctl.tree.match(tb, split=True).path
     out = Brought(pin=Pin(path[-1]) if path else None)
-    seen = _pages(path)  # the longest prefix memory held for us (a trim may let some go)
     short = False
+    seen = _pages(path)  # the longest prefix memory held for us (a trim may let some go)
     try:
         path, out.pin, capped = _trim_to_pin_room(ctl, path, out.pin)
         room_wait = ctl.evictor.host_waiter()
@@ -82,11 +82,15 @@ async def bring_up(ctl: CacheController, tb: TokenBytes) -> Brought:
             path, out.pin, capped = _trim_to_pin_room(ctl, longer, out.pin)
             if _pages(path) <= before and not await room_wait.next():
                 break  # pins hold all the host may give them, and nothing in flight will release any
+        # Runs may pass thin pages (sliding layers absent); the hit ends where a window is whole.
+        before = _pages(path)
+        path, out.pin = _restorable(ctl, path, out.pin)
+        _forget_tail(out, before - _pages(path))
     except BaseException:
         if out.pin is not None:
             out.pin.release()
         raise
-    held = max(seen, rest.end_page if rest is not None else 0)
+    held = ctl.tree.restorable(path, max(seen, rest.end_page if rest is not None else 0))
     if not short and _pages(path) < held:
         # Pages the tiers held that could not be brought up within the policy's wait (the host full
         # of other pins, or a trimmed tail that left memory with no storage tier to come back from).
@@ -94,6 +98,41 @@ async def bring_up(ctl: CacheController, tb: TokenBytes) -> Brought:
         ctl.counters.short_retrieve_tokens += (held - _pages(path)) * ctl.tree.page_size
     out.path = path
     return out
+
+
+def _forget_tail(out: Brought, pages: int) -> None:
+    """A trim took ``pages`` off the end of the hit: loaded last, they leave the counts first."""
+    if pages <= 0:
+        return
+    out.loaded = max(0, out.loaded - pages)
+    excess = sum(out.from_storage.values()) - out.loaded
+    for name in reversed(list(out.from_storage)):
+        if excess <= 0:
+            break
+        take = min(excess, out.from_storage[name])
+        out.from_storage[name] -= take
+        excess -= take
+
+
+def _restorable(ctl: CacheController, path: list[TreeNode], pin: Pin | None) -> tuple[list[TreeNode], Pin | None]:
+    """``path`` cut where a hit may end (no thin page in the window before it), re-pinned."""
+    pages = _pages(path)
+    keep = ctl.tree.restorable(path, pages)
+    if keep == pages:
+        return path, pin
+    kept: list[TreeNode] = []
+    for node in path:
+        if keep <= 0:
+            break
+        if node.num_pages > keep:
+            node = ctl.tree.split(node, keep)
+        kept.append(node)
+        keep -= node.num_pages
+    if pin is None:
+        return kept, None
+    new = Pin(kept[-1]) if kept else None
+    pin.release()
+    return kept, new
 
 
 def _trim_to_pin_room(ctl: CacheController, path: list[TreeNode], pin: Pin | None) -> tuple[list[TreeNode], Pin | None, bool]:

@@ -62,6 +62,14 @@ class StorageHit:
     def by_tier(self) -> dict[str, int]:
         return {tier.name: n * self.page_size for tier, _, n in self.segments}
 
+    def thin(self) -> list[tuple[int, int]]:
+        """Page ranges (of the query) that would come back without their sliding layers."""
+        return [
+            (self.first_page + s, self.first_page + s + n - tier.window_pages)
+            for tier, s, n in self.segments
+            if tier.window_pages and n > tier.window_pages
+        ]
+
 
 @dataclass(frozen=True)
 class StorageRest:
@@ -353,14 +361,24 @@ class Prefetcher:
         published = 0
         attached = True
 
+        # A layer-split tier keeps sliding layers for the last pages of what it holds only: the
+        # pages of this segment before those come back thin (``TreeNode.thin``).
+        start = self._segment_start(op, tier, pos)
+        thin_end = max(start, end - tier.window_pages) if tier.window_pages else 0
+
         def on_batch(first: int, good: int) -> bool:
             nonlocal published, attached
-            attached = self._publish(op, tier, pos + first, pages[first : first + good])
+            attached = self._publish(op, tier, pos + first, pages[first : first + good], (start, thin_end))
             published = first + good  # published, or freed by the index as duplicates
             return attached
 
         try:
-            got = await tier.fetch(op.keys[pos : pos + len(pages)], pages, on_batch=on_batch)
+            if tier.window_pages:
+                got = await tier.fetch(
+                    op.keys[pos : pos + len(pages)], pages, on_batch=on_batch, sliding_from=thin_end - pos
+                )
+            else:
+                got = await tier.fetch(op.keys[pos : pos + len(pages)], pages, on_batch=on_batch)
         finally:
             self.reserved -= len(pages)  # published (pinned by op, counted as leased) or freed
             self.free_host(pages[published:])
@@ -373,18 +391,30 @@ class Prefetcher:
             return 1 << 62
         return await self.pin_room(lambda: self.reserved)
 
-    def _publish(self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int]) -> bool:
-        """Insert verified ``pages`` (from key index ``pos``) as host-only nodes. False: stop here."""
+    @staticmethod
+    def _segment_start(op: Prefetch, tier: StorageTier, pos: int) -> int:
+        """The first key index of the segment of ``op`` that ``tier`` serves from ``pos``."""
+        return max((s for t, s, n in op.segments if t is tier and s <= pos < s + n), default=pos)
+
+    def _publish(
+        self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int], thin: tuple[int, int] = (0, 0)
+    ) -> bool:
+        """Insert verified ``pages`` (from key index ``pos``) as host-only nodes. False: stop here.
+        ``thin``: key indices whose pages came back without their sliding layers."""
         got = len(pages)
         if not got:
             return True
         pb = self.page_size * TOKEN_BYTES
         end = op.first_page + pos + got
         prefix = op.tokens_bytes[: end * pb]
+        thin_end = op.first_page + thin[1]
         for node in self.insert_host(prefix, op.first_page + pos, pages):  # new nodes, never hit yet
             node.stored = True
             node.source = tier.name
             node.readback_hits = node.hit_count
+            if thin_end > op.first_page + thin[0]:
+                first = sum(n.num_pages for n in self.tree.path_to(node.parent))
+                node.thin = min(node.num_pages, max(0, thin_end - first))
         match = self.tree.match(prefix)
         if match.pages < end:
             return False  # the pages before ours left the cache: ours could not be attached

@@ -75,15 +75,22 @@ class StorageWriter:
                 keys: list[bytes] = []
                 pages: list[int] = []
                 owner: list[int] = []
+                sliding: list[bool] = []  # a layer-split tier: the pages whose sliding layers it keeps
                 for j, job in enumerate(jobs):
                     have = await tier.exists(job.keys)
                     tier.skipped_pages += have
                     keys += job.keys[have:]
                     pages += job.host_pages[have:]
                     owner += [j] * (len(job.keys) - have)
+                    # A node ends where a prompt ended or another branched off: a hit may end there.
+                    window_from = len(job.keys) - tier.window_pages
+                    sliding += [i >= window_from for i in range(have, len(job.keys))]
                 if not keys:
                     continue
-                written = await tier.store(keys, pages)
+                if tier.window_pages:
+                    written = await tier.store(keys, pages, sliding=sliding)
+                else:
+                    written = await tier.store(keys, pages)
                 self.counters.storage_backups += written
                 self.counters.bytes_moved["host_to_storage"] += written * self.page_bytes
                 if tier.detached:

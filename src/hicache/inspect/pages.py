@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import format_size
 from ..tiers.storage.base import StorageBackend
-from ..tiers.storage.page_format import PageCodec, parse_header
+from ..tiers.storage.page_format import PageCodec, parse_header, writer_codec
 from .walk import batches, list_all, progress
 
 __all__ = ["PageLine", "PageListing", "list_page_lines"]
@@ -68,11 +68,10 @@ class PageListing:
 
 
 async def list_page_lines(
-    backend: StorageBackend, codec: PageCodec, tier: str, *, quiet: bool = False
+    backend: StorageBackend, codec: PageCodec | tuple[PageCodec, ...], tier: str, *, quiet: bool = False
 ) -> PageListing:
     pages = await list_all(backend, quiet=quiet)
     out = PageListing(tier=tier, kind=backend.kind)
-    ours = codec._namespace_field
     with progress(len(pages), "reading headers", quiet) as bar:
         for run in batches(pages, max_bytes=64 * 1024**2):
             for page, raw in zip(run, await backend.read_headers(run), strict=True):
@@ -82,7 +81,7 @@ async def list_page_lines(
                     name=page.key.hex(), format=None if info is None else info.version,
                     codec="-" if info is None or not info.codecs else ",".join(info.codecs),
                     stored_bytes=page.size, logical_bytes=logical, last_used=page.last_used,
-                    ours=info is not None and info.namespace == ours and info.version == codec.version,
+                    ours=writer_codec(codec, info) is not None,
                 ))
             bar.update(len(run))
     return out

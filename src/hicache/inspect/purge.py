@@ -9,7 +9,7 @@ from typing import Any
 from ..config import format_size
 from ..errors import ConfigError
 from ..tiers.storage.base import StorageBackend, StoredPage
-from ..tiers.storage.page_format import PageCodec, parse_header
+from ..tiers.storage.page_format import PageCodec, parse_header, writer_codec
 from .walk import batches, list_all, progress
 
 __all__ = ["PurgeReport", "purge"]
@@ -45,7 +45,7 @@ class PurgeReport:
 
 async def purge(
     backend: StorageBackend,
-    codec: PageCodec,
+    codec: PageCodec | tuple[PageCodec, ...],
     tier: str,
     *,
     namespace: str | None = None,
@@ -96,9 +96,9 @@ async def purge(
 
 
 async def _of_namespace(
-    backend: StorageBackend, codec: PageCodec, pages: list[StoredPage], namespace: str, quiet: bool
+    backend: StorageBackend, codec: PageCodec | tuple[PageCodec, ...], pages: list[StoredPage], namespace: str,
+    quiet: bool,
 ) -> list[StoredPage]:
-    ours = codec._namespace_field.hex()
     out = []
     with progress(len(pages), "reading headers", quiet) as bar:
         for run in batches(pages, max_bytes=64 * 1024**2):
@@ -107,7 +107,7 @@ async def _of_namespace(
                 if info is None:
                     continue  # not a hicache page: `verify --repair` removes those
                 ns = info.namespace.hex()
-                mine = ns == ours and info.version == codec.version
+                mine = writer_codec(codec, info) is not None
                 if (namespace == "this" and mine) or (namespace == "other" and not mine) or ns.startswith(namespace.lower()):
                     out.append(page)
             bar.update(len(run))

@@ -14,6 +14,7 @@ from ..tiers.storage.page_format import (
     OLD_KEYED_FORMAT_VERSIONS,
     PageCodec,
     parse_header,
+    writer_codec,
 )
 from .walk import batches, list_all, progress
 
@@ -84,12 +85,12 @@ def _ago(seconds: float) -> str:
 
 
 async def summarize(
-    backend: StorageBackend, codec: PageCodec, config: HiCacheConfig, tier: str, *, quiet: bool = False
+    backend: StorageBackend, codec: PageCodec | tuple[PageCodec, ...], config: HiCacheConfig, tier: str, *,
+    quiet: bool = False,
 ) -> Summary:
     """List the tier and read every page's header (only the header where the backend can)."""
     pages = await list_all(backend, quiet=quiet)
     groups: dict[tuple[str, int | None, str], Group] = {}
-    ours = codec._namespace_field
     model = config.model.name + (f" rev {config.model.revision}" if config.model.revision else "")
     with progress(len(pages), "reading headers", quiet) as bar:
         for run in batches(pages, max_bytes=64 * 1024**2):
@@ -100,8 +101,10 @@ async def summarize(
                     label = "not a hicache page (or unreadable)"
                 else:
                     key = (info.namespace.hex(), info.version, info.shape, ",".join(info.codecs) or "-")
-                    if info.namespace == ours and info.version == codec.version:
-                        label = f"this config ({model})"
+                    mine = writer_codec(codec, info)
+                    if mine is not None:
+                        part = mine.part.removeprefix("layers:")
+                        label = f"this config ({model})" + (f", {part} layers" if part else "")
                     elif info.version == KEYED_FORMAT_VERSION:
                         label = "keyed: another tenant key or model"
                     elif info.version == KEYED_CODEC_FORMAT_VERSION:

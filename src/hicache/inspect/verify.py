@@ -22,21 +22,25 @@ from typing import Any
 from ..tiers.storage.base import StorageBackend
 from ..tiers.storage.codecs.aes_gcm import AesGcm
 from ..tiers.storage.codecs.lossless import Lossless
-from ..tiers.storage.page_format import HEADER_BYTES, PageCodec, check_stored_page
+from ..tiers.storage.page_format import HEADER_BYTES, PageCodec, check_stored_page, page_codecs
 from .walk import batches, list_all, progress
 
 __all__ = ["CorruptPage", "VerifyReport", "largest_page_bytes", "verify"]
 
 
-def largest_page_bytes(codec: PageCodec) -> int:
+def largest_page_bytes(codec: PageCodec | tuple[PageCodec, ...]) -> int:
     """The largest stored page of ``codec``'s geometry: a header and the larger of what its own chain
     and the widest chain (``lossless`` then ``aes-gcm`` over the exact KV) can store, so pages this
     model wrote through another chain are still read. Both bounds are the stages' own
-    (``max_encoded_bytes``, which needs no key or library: computed on bare instances)."""
-    widest = codec.payload_bytes
-    for stage in (object.__new__(Lossless), object.__new__(AesGcm)):
-        widest = stage.max_encoded_bytes(widest)
-    return HEADER_BYTES + max(codec.max_stored_bytes, widest)
+    (``max_encoded_bytes``, which needs no key or library: computed on bare instances). A
+    layer-split tier: the largest of its parts'."""
+    largest = 0
+    for c in page_codecs(codec):
+        widest = c.payload_bytes
+        for stage in (object.__new__(Lossless), object.__new__(AesGcm)):
+            widest = stage.max_encoded_bytes(widest)
+        largest = max(largest, HEADER_BYTES + max(c.max_stored_bytes, widest))
+    return largest
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ class VerifyReport:
 
 
 async def verify(
-    backend: StorageBackend, codec: PageCodec, tier: str, *, repair: bool = False, quiet: bool = False,
+    backend: StorageBackend, codec: PageCodec | tuple[PageCodec, ...], tier: str, *, repair: bool = False,
+    quiet: bool = False,
     max_page_bytes: int | None = None,
 ) -> VerifyReport:
     """Check every listed page; ``max_page_bytes`` (default ``largest_page_bytes(codec)``): larger

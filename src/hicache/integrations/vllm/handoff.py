@@ -371,7 +371,7 @@ class Handoffs:
                             return
                         if tier is not None and anyio.current_time() >= next_notice:
                             next_notice = anyio.current_time() + _NOTICE_EVERY_S
-                            if await tier.exists([rec.notice]):
+                            if await tier.has_mark(rec.notice):
                                 await self._given_up(rec, tier)
                                 return
                             if rec.pulse_s is not None:
@@ -394,7 +394,7 @@ class Handoffs:
         """Whether the producer left pulse ``due`` or one of the next ``SILENT_BEATS`` (a late
         pulse skips ahead; the pulses stay until the send ends)."""
         for beat in range(due, due + SILENT_BEATS + 1):
-            if await tier.exists([pulse_key(notice, beat)]):
+            if await tier.has_mark(pulse_key(notice, beat)):
                 return True
         return False
 

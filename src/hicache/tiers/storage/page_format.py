@@ -66,7 +66,8 @@ from .codecs import CodecChain, CodecError, name_of_id, run_decode, run_encode
 
 __all__ = [
     "CODEC_FORMAT_VERSION", "HEADER_BYTES", "FORMAT_VERSION", "KEYED_CODEC_FORMAT_VERSION", "KEYED_FORMAT_VERSION",
-    "MAGIC", "OLD_KEYED_FORMAT_VERSIONS", "PageCodec", "PageHeader", "StoredPageCheck", "check_stored_page", "parse_header",
+    "MAGIC", "OLD_KEYED_FORMAT_VERSIONS", "PageCodec", "PageHeader", "StoredPageCheck", "check_stored_page", "page_codecs",
+    "parse_header", "writer_codec",
 ]
 
 MAGIC = b"HICACHE\x00"
@@ -120,6 +121,10 @@ class PageCodec:
     tenant_key: TenantKey | None = field(default=None, repr=False, compare=False)
     #: The tier's codec stages (none: formats 1 and 2, the payload is the KV itself, read in place).
     chain: CodecChain = field(default_factory=CodecChain, compare=False)
+    #: A part of each page's layers (``layer_split.py``: ``"layers:full"``, ``"layers:sliding"``):
+    #: stored under names and a namespace of its own, so a part is never read as a whole page,
+    #: as the other part, or as a part of another layout. ``geometry`` then counts its layers only.
+    part: str = ""
     # Derived in __post_init__ (never shown):
     _gmac: Any = field(init=False, default=None, repr=False, compare=False)  # AESGCM under K_gmac (a tenant key)
     _gmac_key: bytes = field(init=False, default=b"", repr=False, compare=False)
@@ -131,8 +136,11 @@ class PageCodec:
         ids = self.chain.ids
         # A chain's pages are another namespace: other names, another namespace field, other keys.
         namespace = variant_digest(self.namespace, "codec:" + self.chain.variant) if ids else self.namespace
+        if self.part:
+            namespace = variant_digest(namespace, self.part)  # likewise a part of the layers
         if self.tenant_key is None:
-            name_key = namespace if ids else None  # exact pages keep the page key as their name
+            # exact whole pages keep the page key as their name
+            name_key = namespace if ids or self.part else None
             namespace_field = namespace
         else:
             name_key = self.tenant_key.derive("page-name", namespace)
@@ -453,7 +461,23 @@ class StoredPageCheck:
     ours: bool  # written by the reader's own namespace (and tenant key)
 
 
-def check_stored_page(codec: PageCodec, storage_key: bytes, blob: bytes | None) -> StoredPageCheck:
+def page_codecs(codec: PageCodec | Sequence[PageCodec]) -> tuple[PageCodec, ...]:
+    """A tier's codecs: one, or one per part of the layers (a layer-split tier)."""
+    return (codec,) if isinstance(codec, PageCodec) else tuple(codec)
+
+
+def writer_codec(codec: PageCodec | Sequence[PageCodec], header: PageHeader | None) -> PageCodec | None:
+    """Of a tier's codecs, the one whose pages look like ``header`` (namespace field and format);
+    ``None``: a page this config did not write."""
+    if header is None:
+        return None
+    for c in page_codecs(codec):
+        if header.version == c.version and header.namespace == c._namespace_field:
+            return c
+    return None
+
+
+def check_stored_page(codec: PageCodec | Sequence[PageCodec], storage_key: bytes, blob: bytes | None) -> StoredPageCheck:
     """Check one page read whole from storage under ``storage_key``, as far as ``codec`` allows.
 
     A page of the reader's own codec chain is checked the way a fetch checks it (decoded too, so
@@ -466,7 +490,9 @@ def check_stored_page(codec: PageCodec, storage_key: bytes, blob: bytes | None) 
     header = parse_header(blob[:HEADER_BYTES])
     if header is None:
         return StoredPageCheck("corrupt", "not a hicache page" if len(blob) >= HEADER_BYTES else "truncated", None, False)
-    ours = header.version == codec.version and header.namespace == codec._namespace_field
+    mine = writer_codec(codec, header)
+    ours = mine is not None
+    codec = mine if mine is not None else page_codecs(codec)[0]
     payload = memoryview(blob)[HEADER_BYTES:]
     if header.key != storage_key:
         return StoredPageCheck("corrupt", "stored under another name", header, ours)

@@ -84,6 +84,10 @@ class PageSource(Protocol):
 
 
 class StorageTier:
+    #: Pages before a restorable end whose sliding layers it must hold; 0: pages are stored whole
+    #: (``layer_split.LayerSplitTier`` keeps sliding layers near prefix ends only).
+    window_pages = 0
+
     def __init__(
         self,
         name: str,
@@ -361,6 +365,10 @@ class StorageTier:
         finally:
             self._exit()
 
+    async def has_mark(self, key: bytes) -> bool:
+        """Whether a marker (``mark``) is stored under ``key``."""
+        return await self.exists([key]) == 1
+
     async def unmark(self, key: bytes) -> None:
         """Remove the marker under ``key`` (nothing where there is none)."""
         if self._enter():
@@ -376,6 +384,7 @@ class StorageTier:
         on_batch: Callable[[int, int], bool] | None = None,
         *,
         source: PageSource | None = None,
+        sliding_from: int = 0,
     ) -> int:
         """Read pages ``keys`` into ``host_pages`` (allocated, not yet published) of the host pool
         (or of ``source``); verified count.
@@ -386,6 +395,8 @@ class StorageTier:
         ``first..first+good`` of ``host_pages``) and return False to stop. Pages past the returned
         count hold garbage and are the caller's to free. A page that fails verification is counted
         as corrupt and deleted from the backend, so a later ``store`` writes the page again.
+        ``sliding_from``: for a tier with ``window_pages`` (pages before it may come back thin);
+        whole pages come back whole.
         """
         assert len(keys) == len(host_pages)
         if not self._enter():
@@ -494,10 +505,16 @@ class StorageTier:
             self._failed(exc)
 
     async def store(
-        self, keys: Sequence[bytes], host_pages: Sequence[int], *, source: PageSource | None = None
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[int],
+        *,
+        source: PageSource | None = None,
+        sliding: Sequence[bool] | None = None,
     ) -> int:
         """Write ``host_pages`` (pinned by the caller) of the host pool (or of ``source``) under
-        ``keys``; consecutive pages stored.
+        ``keys``; consecutive pages stored. ``sliding``: for a tier with ``window_pages`` (the
+        pages whose sliding layers it keeps); whole pages are stored whole.
 
         Headers (checksums or MACs) are sealed by the backend's writer threads page by page, or
         (backends that do not seal, codec chains) those of the next batch are encoded on the codec

@@ -1,0 +1,195 @@
+"""Sliding-window layers kept only where a continuation can need them (``tiers/storage/layer_split.py``).
+
+A model of 6 layers, 5 sliding over 24 tokens and 1 full, on 4-token pages: a storage tier keeps
+every page's full layer and the sliding layers of the last ``window_pages`` pages of what it wrote,
+so a long prompt costs about a quarter of its whole pages. A hit from storage is exact at the end
+of a stored prompt, and no hit ends where a window's sliding layers are missing (a prefix that
+branches off inside a stored prompt, a sliding part deleted or flipped): shorter, never wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache import HiCache, HiCacheConfig
+from hicache.layer_kinds import restorable_end
+from hicache.tiers.storage.layer_split import LayerSplitTier
+
+from .conftest import make_config, make_kv, make_tokens
+from .helpers import assert_consistent, push_to_storage
+
+WINDOW = 24
+LAYERS = [f"sliding:{WINDOW}"] * 5 + ["full"]
+PAGE = 4
+WINDOW_PAGES = 7  # ceil(23 / 4) + 1: one page of slack for an engine that recomputes a prompt's last page
+
+
+def hybrid_config(folder: Path, **storage: Any) -> HiCacheConfig:
+    return make_config(
+        device_pages=256, host_pages=256,
+        model={"num_layers": 6, "layers": LAYERS},
+        tiers={"storage": [{"kind": "file", "path": str(folder)} | storage]},
+        policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": PAGE},
+    )
+
+
+def stored_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.kv"))
+
+
+async def retrieved_kv(cache: HiCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
+    """The hit and its KV ``[C, L, T, H, D]``."""
+    async with cache.retrieve(tokens) as view:
+        await view.wait_all()
+        layers = [torch.stack(view.layer(layer)) for layer in range(cache.config.model.num_layers)]
+        return view.tokens, torch.stack(layers, dim=1)
+
+
+def test_the_rule_ends_a_hit_where_no_thin_page_is_in_its_window() -> None:
+    assert restorable_end(100, [(0, 93)], 7) == 100
+    assert restorable_end(100, [(0, 94)], 7) == 0  # every earlier end has a thin page in its window
+    assert restorable_end(100, [(0, 40), (95, 96)], 7) == 95  # ends right before the thin page
+    assert restorable_end(50, [(0, 40)], 7) == 50 and restorable_end(46, [(0, 40)], 7) == 0
+    assert restorable_end(100, [(0, 100)], 0) == 100  # no sliding layer: every end is a hit
+    assert restorable_end(5, [], 7) == 5
+
+
+async def test_a_long_prompt_costs_a_quarter_of_its_whole_pages_and_comes_back_exact(tmp_path: Path) -> None:
+    config = hybrid_config(tmp_path / "split")
+    assert config.model.layers.window_pages(PAGE) == WINDOW_PAGES
+    tokens, kv = make_tokens(1024, seed=1), make_kv(config, 1024, seed=1)
+    async with HiCache.from_config(config) as cache:
+        assert isinstance(cache.controller.storage[0], LayerSplitTier)
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    whole = hybrid_config(tmp_path / "whole", split_layers=False)
+    async with HiCache.from_config(whole) as cache:
+        assert not isinstance(cache.controller.storage[0], LayerSplitTier)
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    pages = 1024 // PAGE
+    layer = config.page_bytes // 6
+    # 1 of 6 layers for 256 pages, 5 of 6 for the window's 7, and a 128-byte header per part
+    assert stored_bytes(tmp_path / "whole") == pages * (6 * layer + 128)
+    assert stored_bytes(tmp_path / "split") == pages * (layer + 128) + WINDOW_PAGES * (5 * layer + 128)
+    thin = pages - WINDOW_PAGES
+    async with HiCache.from_config(config) as cache:  # a fresh cache: only the folder is left
+        hit = await cache.lookup(tokens + [7])
+        assert hit.tokens == hit.by_tier["file"] == 1024
+        got, restored = await retrieved_kv(cache, tokens + [7])
+        assert got == 1024
+        full, sliding = [5], [0, 1, 2, 3, 4]
+        assert torch.equal(restored[:, full], kv[:, full])
+        window = thin * PAGE
+        assert torch.equal(restored[:, sliding, window:], kv[:, sliding, window:])
+        assert not restored[:, sliding, :window].any()  # thin pages: zeros, never stale KV
+        nodes = list(cache.controller.tree.nodes())
+        assert sum(n.thin for n in nodes) == thin
+        assert_consistent(cache)
+
+
+async def test_a_prefix_branching_inside_a_stored_prompt_is_no_hit_until_its_own_pages_are_stored(
+    tmp_path: Path,
+) -> None:
+    config = hybrid_config(tmp_path / "pages")
+    tokens, kv = make_tokens(400, seed=2), make_kv(config, 400, seed=2)
+    branch = tokens[:200] + make_tokens(100, seed=3)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+        assert (await cache.lookup(branch)).tokens == 200  # in memory, every layer is whole
+    async with HiCache.from_config(config) as cache:
+        probe = await cache.lookup(branch, prefetch=False)
+        assert probe.tokens == 0, probe  # pages 0-49 hold no sliding layers in the file tier
+        got, _ = await retrieved_kv(cache, branch)
+        assert got == 0
+        assert (await cache.lookup(tokens)).tokens == 400  # the stored prompt's end still is a hit
+        got, _ = await retrieved_kv(cache, tokens)
+        assert got == 400
+        assert (await cache.lookup(branch)).tokens == 0  # read back thin: not even from memory
+        assert_consistent(cache)
+    async with HiCache.from_config(config) as cache:  # the branch computed and stored: its own end is a hit
+        await cache.store(branch, make_kv(config, 300, seed=4))
+        await push_to_storage(cache)
+        assert (await cache.lookup(branch)).tokens == 300
+
+
+@pytest.mark.parametrize("damage", ["delete", "flip"])
+async def test_a_missing_or_flipped_sliding_part_shortens_the_hit(tmp_path: Path, damage: str) -> None:
+    config = hybrid_config(tmp_path / "pages")
+    tokens, kv = make_tokens(200, seed=5), make_kv(config, 200, seed=5)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    files = list((tmp_path / "pages").rglob("*.kv"))
+    sizes = sorted({f.stat().st_size for f in files})
+    sliding_parts = [f for f in files if f.stat().st_size == sizes[1]]
+    assert len(files) == 200 // PAGE + WINDOW_PAGES and len(sliding_parts) == WINDOW_PAGES
+    victim = sliding_parts[0]
+    if damage == "delete":
+        victim.unlink()
+    else:
+        raw = bytearray(victim.read_bytes())
+        raw[-1] ^= 1
+        victim.write_bytes(bytes(raw))
+    async with HiCache.from_config(config) as cache:
+        got, restored = await retrieved_kv(cache, tokens)
+        assert got < 200 // PAGE * PAGE
+        assert torch.equal(restored[:, 5], kv[:, 5, :got])  # what it serves is exact
+        if damage == "flip":
+            assert cache.stats().storage["file"].backend.corrupt_pages == 1
+        assert_consistent(cache)
+
+
+async def test_a_tenant_key_and_a_codec_chain_seal_each_part(tmp_path: Path) -> None:
+    config = hybrid_config(tmp_path / "pages", codec=["lossless"])
+    config = make_config(
+        device_pages=256, host_pages=256, tenant_key="k" * 32, model={"num_layers": 6, "layers": LAYERS},
+        tiers={"storage": [{"kind": "file", "path": str(tmp_path / "pages"), "codec": ["lossless"]}]},
+        policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": PAGE},
+    )
+    tokens, kv = make_tokens(160, seed=6), make_kv(config, 160, seed=6)
+    async with HiCache.from_config(config) as cache:
+        assert isinstance(cache.controller.storage[0], LayerSplitTier)
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    async with HiCache.from_config(config) as cache:
+        got, restored = await retrieved_kv(cache, tokens)
+        assert got == 160
+        assert torch.equal(restored[:, 5], kv[:, 5])
+        assert torch.equal(restored[:, :5, -WINDOW:], kv[:, :5, -WINDOW:])
+    other = make_config(
+        device_pages=256, host_pages=256, tenant_key="j" * 32, model={"num_layers": 6, "layers": LAYERS},
+        tiers={"storage": [{"kind": "file", "path": str(tmp_path / "pages"), "codec": ["lossless"]}]},
+    )
+    async with HiCache.from_config(other) as cache:  # another tenant finds nothing under its names
+        assert (await cache.lookup(tokens)).tokens == 0
+
+
+async def test_inspect_knows_both_parts_and_finds_a_flipped_sliding_part(tmp_path: Path) -> None:
+    from hicache.containers import inspection_target
+    from hicache.inspect import purge, summarize, verify
+
+    config = hybrid_config(tmp_path / "pages")
+    tokens = make_tokens(120, seed=7)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, make_kv(config, 120, seed=7))
+        await cache.wait_idle()
+    files = list((tmp_path / "pages").rglob("*.kv"))
+    sliding_parts = sorted(f for f in files if f.stat().st_size == max(g.stat().st_size for g in files))
+    raw = bytearray(sliding_parts[0].read_bytes())
+    raw[-3] ^= 4
+    sliding_parts[0].write_bytes(bytes(raw))
+    _, backend, codec = inspection_target(config)
+    assert isinstance(codec, tuple) and [c.part for c in codec] == ["layers:full", "layers:sliding"]
+    async with backend:
+        summary = await summarize(backend, codec, config, "file", quiet=True)
+        labels = {g.label: g.pages for g in summary.groups}
+        assert labels == {"this config (test-model), full layers": 30, "this config (test-model), sliding layers": 7}
+        report = await verify(backend, codec, "file", quiet=True)
+        assert report.ok == report.ours == 36 and [c.reason for c in report.corrupt] == ["checksum"]
+        assert (await purge(backend, codec, "file", namespace="this", quiet=True)).selected == 37
