@@ -35,6 +35,7 @@ from .report import (
     format_table,
     outputs_of,
     plot,
+    storage_bytes_vs_whole_pages,
 )
 from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing, lossy_pages_dir
 from .scratch import add_keep_pages_argument, pages_removed
@@ -196,6 +197,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for name, r in results.items():
         summaries[name]["cpu_pressure"] = {"before": r["machine"]["cpu_pressure_before"],
                                            "after": r["machine"]["cpu_pressure_after"]}
+        summaries[name]["storage_bytes_vs_whole_pages"] = storage_bytes_vs_whole_pages(
+            r.get("cache_stats"), r.get("cache_config"))
     reference = outputs_of(runs[configs[0]][0]["records"])
     for name, rs in runs.items():
         summaries[name]["outputs_differ_from_" + configs[0]] = sum(
@@ -232,6 +235,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     )
     print(f"CPU pressure (/proc/pressure/cpu some avg60, %, at start-end of each): {pressure}")
     print()
+    stored = {n: s["storage_bytes_vs_whole_pages"] for n, s in summaries.items()
+              if s["storage_bytes_vs_whole_pages"] == s["storage_bytes_vs_whole_pages"]}
+    if stored:
+        print("bytes written to storage per page stored, over a whole page's (every layer): "
+              + ", ".join(f"{n} {v:.3f}" for n, v in stored.items()))
+        print()
     drains = {n: s["drain_s"] for n, s in summaries.items() if s.get("drain_s")}
     if drains:
         print("background work after each request (interleaved turns wait for it; mean / max ms): "

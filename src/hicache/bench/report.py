@@ -104,6 +104,21 @@ def summarise(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     }
 
 
+def storage_bytes_vs_whole_pages(cache_stats: dict[str, Any] | None, cache_config: dict[str, Any] | None) -> float:
+    """Bytes a configuration wrote to its first storage tier per page it stored, over a whole
+    page's (every layer, and its header): 1.0 for whole pages, less where a layer-split tier kept
+    sliding layers near prefix ends only. NaN without storage or stats."""
+    if not cache_stats or not cache_config or not cache_stats.get("storage"):
+        return math.nan
+    from ..config import HiCacheConfig
+    from ..tiers.storage.page_format import HEADER_BYTES
+
+    tier = next(iter(cache_stats["storage"].values()))
+    pages = tier["stored_pages"]
+    whole = HiCacheConfig.model_validate(cache_config).page_bytes + HEADER_BYTES
+    return tier["backend"]["bytes_written"] / (pages * whole) if pages else math.nan
+
+
 def add_oracle_ratios(summaries: dict[str, dict[str, Any]]) -> None:
     """``ttft_vs_oracle`` (mean TTFT over the oracle's, and p50/p90) in every summary, when the oracle ran."""
     oracle = summaries.get("oracle")
@@ -157,6 +172,9 @@ def check_targets(summaries: dict[str, dict[str, Any]]) -> dict[str, Any]:
             add("ttft_device_only_over_hierarchical", dev / hier, ">= 2")
         if warm is not None:
             add("ttft_warm_restart_over_hierarchical", warm / hier, "<= 1.5")
+    split = summaries.get("hierarchical", {}).get("storage_bytes_vs_whole_pages", math.nan)
+    if split == split and split < 1:  # a layer-split tier (a sliding-window hybrid)
+        add("hierarchical_storage_bytes_vs_whole_pages", split, "<= 0.35")
     if oracle:
         for name, bound in (("memory", "<= 1.03"), ("hierarchical", "<= 1.10")):
             mine = ttft(name)
