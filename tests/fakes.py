@@ -134,6 +134,9 @@ class DelayingStorageBackend(StorageBackend):
     traffic. Every byte still goes to and comes from the real backend."""
 
     kind = "delaying"
+    #: As the real backends it wraps in the tests (file, redis, mooncake): pages of any size
+    #: (codec chains, a layer-split tier's two parts).
+    variable_size_pages = True
 
     class Settings(BackendSettings):
         inner: dict[str, Any]
@@ -163,6 +166,10 @@ class DelayingStorageBackend(StorageBackend):
     async def _get(self, keys: Sequence[bytes], into: Sequence[PageIO]) -> int:
         await self._lag(len(keys))
         return await self.inner._get(keys, into)
+
+    async def _get_sized(self, keys: Sequence[bytes], into: Sequence[PageIO], sizes: list[int]) -> int:
+        await self._lag(len(keys))
+        return await self.inner._get_sized(keys, into, sizes)
 
     async def _set(self, keys: Sequence[bytes], pages: Sequence[PageIO]) -> int:
         await self._lag(len(keys))

@@ -28,11 +28,11 @@ PAGE = 4
 WINDOW_PAGES = 7  # ceil(23 / 4) + 1: one page of slack for an engine that recomputes a prompt's last page
 
 
-def hybrid_config(folder: Path, **storage: Any) -> HiCacheConfig:
+def hybrid_config(folder: Path, layout: str = "page_first", **storage: Any) -> HiCacheConfig:
     return make_config(
         device_pages=256, host_pages=256,
         model={"num_layers": 6, "layers": LAYERS},
-        tiers={"storage": [{"kind": "file", "path": str(folder)} | storage]},
+        tiers={"host": {"layout": layout}, "storage": [{"kind": "file", "path": str(folder)} | storage]},
         policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": PAGE},
     )
 
@@ -58,8 +58,11 @@ def test_the_rule_ends_a_hit_where_no_thin_page_is_in_its_window() -> None:
     assert restorable_end(5, [], 7) == 5
 
 
-async def test_a_long_prompt_costs_a_quarter_of_its_whole_pages_and_comes_back_exact(tmp_path: Path) -> None:
-    config = hybrid_config(tmp_path / "split")
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+async def test_a_long_prompt_costs_a_quarter_of_its_whole_pages_and_comes_back_exact(
+    tmp_path: Path, layout: str
+) -> None:
+    config = hybrid_config(tmp_path / "split", layout)
     assert config.model.layers.window_pages(PAGE) == WINDOW_PAGES
     tokens, kv = make_tokens(1024, seed=1), make_kv(config, 1024, seed=1)
     async with HiCache.from_config(config) as cache:

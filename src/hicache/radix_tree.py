@@ -124,7 +124,7 @@ class TreeNode:
         self._host: int | array | None = None
         self._loading: Any = None  # the LoadJob filling ``device`` while it is in flight
         self.backing_up = False  # a backup of this node to host is in flight
-        self.storing = False  # a write of its host pages to storage is in flight: keep them
+        self.storing = 0  # writes to storage in flight that read its host pages: keep them
         self.stored = False  # its pages were written to (or read from) storage; a hint (storage is lossy)
         self.store_failed = False  # a write of its pages to storage failed: it may leave the host, counted as lost
         self.source: str | None = None  # the storage tier its host pages came from, until first used

@@ -29,13 +29,14 @@ KINDS = ["file", "redis", "mooncake"]
 
 
 def pressure_config(
-    device_pages: int, host_pages: int, storage: list[dict[str, Any]] | None = None, **policies: Any
+    device_pages: int, host_pages: int, storage: list[dict[str, Any]] | None = None, *,
+    model: dict[str, Any] | None = None, **policies: Any,
 ) -> HiCacheConfig:
     tiers: dict[str, Any] = {"device": {"capacity": device_pages * PAGE_BYTES}, "host": {"capacity": host_pages * PAGE_BYTES}}
     if storage:
         tiers["storage"] = storage
     return load_config(
-        overrides={"model": GEOMETRY, "page_size": PAGE, "tiers": tiers, "policies": policies,
+        overrides={"model": model or GEOMETRY, "page_size": PAGE, "tiers": tiers, "policies": policies,
                    "controller": {"shutdown_timeout_s": 60}},
         env={},
     )

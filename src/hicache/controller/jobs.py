@@ -33,11 +33,25 @@ class BackupJob:
 
 @dataclass(eq=False)
 class StorageJob:
-    """Write ``node``'s host pages to the storage tiers; ``node.storing`` keeps them until done."""
+    """Write ``node``'s host pages to the storage tiers; ``node.storing`` keeps them until done.
+
+    ``window``: for a layer-split tier, the ancestors' pages in the window before ``node``'s end
+    (each ancestor's whole keys when the job began, and the window's keys and host pages in it),
+    whose sliding layers the end needs too; their ``storing`` keeps them as well.
+    """
 
     node: TreeNode
     keys: list[bytes]
     host_pages: list[int]
+    window: list[tuple[TreeNode, list[bytes], list[bytes], list[int]]] = field(default_factory=list)
+
+    @property
+    def window_keys(self) -> list[bytes]:
+        return [k for _, _, keys, _ in reversed(self.window) for k in keys]
+
+    @property
+    def window_pages(self) -> list[int]:
+        return [p for _, _, _, pages in reversed(self.window) for p in pages]
 
 
 @dataclass(eq=False)

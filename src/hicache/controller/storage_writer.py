@@ -46,19 +46,35 @@ class StorageWriter:
     def prepare(self, node: TreeNode) -> StorageJob:
         """Claim ``node``'s host pages for a write; ``finish`` must follow (in a ``finally``)."""
         assert self.wanted(node)
-        node.storing = True
+        node.storing += 1
         assert node.host is not None
-        return StorageJob(node, list(node.keys), list(node.host))
+        job = StorageJob(node, list(node.keys), list(node.host))
+        # A node shorter than the window of a hybrid's sliding layers: its end needs the sliding
+        # layers of its ancestors' last pages too (a layer-split tier may have written them thin).
+        # Their host pages are read as this node's are: ``storing`` keeps them.
+        missing = self.tree.window_pages - node.num_pages
+        cur = node.parent
+        while missing > 0 and cur is not None and cur.parent is not None and cur.host is not None:
+            take = min(missing, cur.num_pages)
+            keys = cur.keys
+            job.window.append((cur, keys, keys[-take:], list(cur.host)[-take:]))
+            cur.storing += 1
+            missing -= take
+            cur = cur.parent
+        return job
 
     def finish(self, job: StorageJob, stored: bool | None) -> None:
         """End the job: ``True`` written, ``False`` the write failed, ``None`` it was cancelled
         before it could tell (the pages stay owed, to be written again)."""
         for covered, _, _ in self.tree.covering(job.node, job.keys):
-            covered.storing = False
+            covered.storing -= 1
             if stored:
                 covered.stored = True
             elif stored is False:
                 covered.store_failed = True
+        for node, keys, _, _ in job.window:
+            for covered, _, _ in self.tree.covering(node, keys):
+                covered.storing -= 1
 
     async def write(self, jobs: list[StorageJob]) -> list[bool | None]:
         """Write every job to every tier attached now; per job, whether all of those still attached
@@ -89,6 +105,7 @@ class StorageWriter:
                     continue
                 if tier.window_pages:
                     written = await tier.store(keys, pages, sliding=sliding)
+                    await self._write_windows(tier, jobs)
                 else:
                     written = await tier.store(keys, pages)
                 self.counters.storage_backups += written
@@ -104,6 +121,15 @@ class StorageWriter:
         if all(tier.detached for tier in tiers):
             return [None] * len(jobs)
         return ok
+
+    @staticmethod
+    async def _write_windows(tier: StorageTier, jobs: list[StorageJob]) -> None:
+        """The sliding layers of the ancestors' window pages each job's end needs (best effort:
+        an end whose window is not whole in storage is a shorter hit, never a wrong one)."""
+        for job in jobs:
+            keys = job.window_keys
+            if keys and not tier.detached:
+                await tier.store_sliding(keys, job.window_pages)  # type: ignore[attr-defined]
 
     def writing_to(self, tier: StorageTier) -> int:
         """How many writes in flight include ``tier``."""

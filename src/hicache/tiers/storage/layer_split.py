@@ -208,5 +208,13 @@ class LayerSplitTier(_PartTier):
         )
         return n if m == len(chosen) else chosen[m]
 
+    async def store_sliding(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
+        """Write the sliding parts of pages whose full parts are stored (the window of a later end),
+        from the first one missing; pages stored from the start."""
+        have = await self.sliding_part.exists(keys)
+        if have == len(keys):
+            return have
+        return have + await self.sliding_part.store(keys[have:], host_pages[have:])
+
     async def has_mark(self, key: bytes) -> bool:
         return await StorageTier.exists(self, [key]) == 1
