@@ -11,7 +11,6 @@ prompt that is not a prefix of another (where the writer kept the window's slidi
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import anyio
 import pytest
@@ -26,7 +25,7 @@ from hicache.tiers.storage.layer_split import LayerSplitTier
 from ..helpers import assert_consistent
 from .conftest import GEOMETRY, PAGE, Storage, pressure_config
 from .prefix_kv import prefix_kv
-from .test_bursts import fresh
+from .test_bursts import Call, calls_st, fresh
 
 HYBRID = GEOMETRY | {"layers": ["sliding:32", "sliding:32", "full"]}
 SLIDING = (0, 1)
@@ -35,29 +34,12 @@ CHUNKS = [[i * 1000 + j for j in range(PAGE)] for i in range(4)]  # one page eac
 LONG = os.environ.get("HICACHE_PRESSURE_EXAMPLES")
 
 
-@dataclass(frozen=True)
-class Call:
-    verb: str  # "store" | "retrieve" | "lookup"
-    prompt: int
-    cancel_after_s: float | None
-
-
 prompts_st = st.lists(
     st.lists(st.integers(0, len(CHUNKS) - 1), min_size=2, max_size=9).map(
         lambda ids: [t for i in ids for t in CHUNKS[i]]
     ),
     min_size=2,
     max_size=4,
-)
-calls_st = st.lists(
-    st.builds(
-        Call,
-        st.sampled_from(["store", "store", "retrieve", "lookup"]),
-        st.integers(0, 3),
-        st.one_of(st.none(), st.none(), st.floats(0.0, 0.02)),
-    ),
-    min_size=1,
-    max_size=12,
 )
 
 

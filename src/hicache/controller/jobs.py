@@ -35,14 +35,16 @@ class BackupJob:
 class StorageJob:
     """Write ``node``'s host pages to the storage tiers; ``node.storing`` keeps them until done.
 
-    ``window``: for a layer-split tier, the ancestors' pages in the window before ``node``'s end
-    (each ancestor's whole keys when the job began, and the window's keys and host pages in it),
-    whose sliding layers the end needs too; their ``storing`` keeps them as well.
+    ``ends``: ``node`` ends where a hit may end (a leaf, or where prompts branch off), so a
+    layer-split tier keeps the sliding layers of the window before its end; ``window``: the
+    ancestors' pages in that window (each ancestor's whole keys when the job began, and the
+    window's keys and host pages in it), whose ``storing`` keeps them as well.
     """
 
     node: TreeNode
     keys: list[bytes]
     host_pages: list[int]
+    ends: bool = True
     window: list[tuple[TreeNode, list[bytes], list[bytes], list[int]]] = field(default_factory=list)
 
     @property

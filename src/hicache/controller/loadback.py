@@ -120,19 +120,25 @@ def _restorable(ctl: CacheController, path: list[TreeNode], pin: Pin | None) -> 
     keep = ctl.tree.restorable(path, pages)
     if keep == pages:
         return path, pin
-    kept: list[TreeNode] = []
-    for node in path:
-        if keep <= 0:
-            break
-        if node.num_pages > keep:
-            node = ctl.tree.split(node, keep)
-        kept.append(node)
-        keep -= node.num_pages
+    kept = _first_pages(ctl, path, keep)
     if pin is None:
         return kept, None
     new = Pin(kept[-1]) if kept else None
     pin.release()
     return kept, new
+
+
+def _first_pages(ctl: CacheController, nodes: list[TreeNode], pages: int) -> list[TreeNode]:
+    """The nodes holding the first ``pages`` pages of ``nodes`` (the last one split to fit)."""
+    kept: list[TreeNode] = []
+    for node in nodes:
+        if pages <= 0:
+            break
+        if node.num_pages > pages:
+            node = ctl.tree.split(node, pages)
+        kept.append(node)
+        pages -= node.num_pages
+    return kept
 
 
 def _trim_to_pin_room(ctl: CacheController, path: list[TreeNode], pin: Pin | None) -> tuple[list[TreeNode], Pin | None, bool]:
@@ -144,14 +150,7 @@ def _trim_to_pin_room(ctl: CacheController, path: list[TreeNode], pin: Pin | Non
     room = ctl.evictor.pin_room() + held  # our pin is among the leases counted
     if held <= room:
         return path, pin, False
-    kept = path[: len(path) - len(host_only)]
-    for node in host_only:
-        if room <= 0:
-            break
-        if node.num_pages > room:
-            node = ctl.tree.split(node, room)
-        kept.append(node)
-        room -= node.num_pages
+    kept = path[: len(path) - len(host_only)] + _first_pages(ctl, host_only, room)
     new = Pin(kept[-1]) if kept else None
     if pin is not None:
         pin.release()

@@ -48,11 +48,13 @@ class StorageWriter:
         assert self.wanted(node)
         node.storing += 1
         assert node.host is not None
-        job = StorageJob(node, list(node.keys), list(node.host))
+        # A node with one child does not end where a prompt ended or branched off (a store placed
+        # on two tiers, a prefill in chunks): a layer-split tier keeps no window at its end.
+        job = StorageJob(node, list(node.keys), list(node.host), ends=len(node.children) != 1)
         # A node shorter than the window of a hybrid's sliding layers: its end needs the sliding
         # layers of its ancestors' last pages too (a layer-split tier may have written them thin).
         # Their host pages are read as this node's are: ``storing`` keeps them.
-        missing = self.tree.window_pages - node.num_pages
+        missing = self.tree.window_pages - node.num_pages if job.ends else 0
         cur = node.parent
         while missing > 0 and cur is not None and cur.parent is not None and cur.host is not None:
             take = min(missing, cur.num_pages)
@@ -99,7 +101,7 @@ class StorageWriter:
                     pages += job.host_pages[have:]
                     owner += [j] * (len(job.keys) - have)
                     # A node ends where a prompt ended or another branched off: a hit may end there.
-                    window_from = len(job.keys) - tier.window_pages
+                    window_from = len(job.keys) - tier.window_pages if job.ends else len(job.keys)
                     sliding += [i >= window_from for i in range(have, len(job.keys))]
                 if not keys:
                     continue
