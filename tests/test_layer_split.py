@@ -196,3 +196,19 @@ async def test_inspect_knows_both_parts_and_finds_a_flipped_sliding_part(tmp_pat
         report = await verify(backend, codec, "file", quiet=True)
         assert report.ok == report.ours == 36 and [c.reason for c in report.corrupt] == ["checksum"]
         assert (await purge(backend, codec, "file", namespace="this", quiet=True)).selected == 37
+
+
+async def test_a_store_placed_on_two_tiers_keeps_one_window(tmp_path: Path) -> None:
+    """A device too small for the prompt: the store puts its head on the device and its tail on the
+    host, as two nodes, and only the end of the second is a prefix end (one window, not two)."""
+    config = make_config(
+        device_pages=100, host_pages=256, model={"num_layers": 6, "layers": LAYERS},
+        tiers={"storage": [{"kind": "file", "path": str(tmp_path / "pages")}]},
+    )
+    tokens, kv = make_tokens(1024, seed=8), make_kv(config, 1024, seed=8)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, kv)
+        assert len(list(cache.controller.tree.nodes())) == 2
+        await cache.wait_idle()
+    layer = config.page_bytes // 6
+    assert stored_bytes(tmp_path / "pages") == 256 * (layer + 128) + WINDOW_PAGES * (5 * layer + 128)
