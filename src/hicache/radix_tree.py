@@ -96,6 +96,7 @@ class TreeNode:
         "_loading",
         "backing_up",
         "storing",
+        "writing",
         "stored",
         "store_failed",
         "source",
@@ -125,6 +126,7 @@ class TreeNode:
         self._loading: Any = None  # the LoadJob filling ``device`` while it is in flight
         self.backing_up = False  # a backup of this node to host is in flight
         self.storing = 0  # writes to storage in flight that read its host pages: keep them
+        self.writing = False  # its own write to storage is in flight (one at a time)
         self.stored = False  # its pages were written to (or read from) storage; a hint (storage is lossy)
         self.store_failed = False  # a write of its pages to storage failed: it may leave the host, counted as lost
         self.source: str | None = None  # the storage tier its host pages came from, until first used
@@ -414,6 +416,7 @@ class HiRadixTree:
         prefix._loading = node._loading
         prefix.backing_up = node.backing_up
         prefix.storing = node.storing
+        prefix.writing = node.writing
         prefix.stored = node.stored
         prefix.store_failed = node.store_failed
         prefix.source = node.source

@@ -35,16 +35,16 @@ class BackupJob:
 class StorageJob:
     """Write ``node``'s host pages to the storage tiers; ``node.storing`` keeps them until done.
 
-    ``ends``: ``node`` ends where a hit may end (a leaf, or where prompts branch off), so a
-    layer-split tier keeps the sliding layers of the window before its end; ``window``: the
-    ancestors' pages in that window (each ancestor's whole keys when the job began, and the
-    window's keys and host pages in it), whose ``storing`` keeps them as well.
+    ``sliding_tail``: how many of the last pages (of ``node`` and up) a layer-split tier keeps
+    the sliding layers of: the window before a hit's possible end at or just below ``node``;
+    ``window``: the ancestors' pages among them (each ancestor's whole keys when the job began,
+    and those pages' keys and host pages), whose ``storing`` keeps them as well.
     """
 
     node: TreeNode
     keys: list[bytes]
     host_pages: list[int]
-    ends: bool = True
+    sliding_tail: int = 0
     window: list[tuple[TreeNode, list[bytes], list[bytes], list[int]]] = field(default_factory=list)
 
     @property

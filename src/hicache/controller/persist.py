@@ -109,7 +109,7 @@ async def _write_owed(ctl: CacheController, tb: TokenBytes) -> None:
 def _owe_again(ctl: CacheController, tb: TokenBytes, have: int) -> None:
     pos = 0
     for node in ctl.tree.match(tb).path:
-        if pos + node.num_pages > have and node.stored and not node.storing:
+        if pos + node.num_pages > have and node.stored and not node.writing:
             node.stored = False
         pos += node.num_pages
 

@@ -40,21 +40,20 @@ class StorageWriter:
     def wanted(self, node: TreeNode) -> bool:
         return (
             any(t.backend.writable for t in self.tiers) and node.host is not None and not node.stored
-            and not node.storing and not node.store_failed
+            and not node.writing and not node.store_failed
         )
 
     def prepare(self, node: TreeNode) -> StorageJob:
         """Claim ``node``'s host pages for a write; ``finish`` must follow (in a ``finally``)."""
         assert self.wanted(node)
+        node.writing = True
         node.storing += 1
         assert node.host is not None
-        # A node with one child does not end where a prompt ended or branched off (a store placed
-        # on two tiers, a prefill in chunks): a layer-split tier keeps no window at its end.
-        job = StorageJob(node, list(node.keys), list(node.host), ends=len(node.children) != 1)
-        # A node shorter than the window of a hybrid's sliding layers: its end needs the sliding
-        # layers of its ancestors' last pages too (a layer-split tier may have written them thin).
-        # Their host pages are read as this node's are: ``storing`` keeps them.
-        missing = self.tree.window_pages - node.num_pages if job.ends else 0
+        job = StorageJob(node, list(node.keys), list(node.host), sliding_tail=self._sliding_tail(node))
+        # A window longer than the node: the end needs the sliding layers of its ancestors' last
+        # pages too (a layer-split tier may have written them thin). Their host pages are read
+        # as this node's are: ``storing`` keeps them.
+        missing = job.sliding_tail - node.num_pages
         cur = node.parent
         while missing > 0 and cur is not None and cur.parent is not None and cur.host is not None:
             take = min(missing, cur.num_pages)
@@ -65,10 +64,24 @@ class StorageWriter:
             cur = cur.parent
         return job
 
+    def _sliding_tail(self, node: TreeNode) -> int:
+        """The last pages of ``node`` (and its ancestors) in the window of the nearest possible hit
+        end at or below it: a leaf (a prompt ended there) or a branch point. A node with one child
+        (a store placed on two tiers, a prefill stored in chunks) is no such end itself."""
+        window = self.tree.window_pages
+        below, cur = 0, node
+        while window and len(cur.children) == 1:
+            cur = next(iter(cur.children.values()))
+            below += cur.num_pages
+            if below >= window:
+                return 0
+        return max(0, window - below)
+
     def finish(self, job: StorageJob, stored: bool | None) -> None:
         """End the job: ``True`` written, ``False`` the write failed, ``None`` it was cancelled
         before it could tell (the pages stay owed, to be written again)."""
         for covered, _, _ in self.tree.covering(job.node, job.keys):
+            covered.writing = False
             covered.storing -= 1
             if stored:
                 covered.stored = True
@@ -101,7 +114,7 @@ class StorageWriter:
                     pages += job.host_pages[have:]
                     owner += [j] * (len(job.keys) - have)
                     # A node ends where a prompt ended or another branched off: a hit may end there.
-                    window_from = len(job.keys) - tier.window_pages if job.ends else len(job.keys)
+                    window_from = len(job.keys) - job.sliding_tail
                     sliding += [i >= window_from for i in range(have, len(job.keys))]
                 if not keys:
                     continue
