@@ -108,14 +108,9 @@ async def run_burst(storage: Storage, write: str, prompts: list[list[int]], call
 def test_bursts_keep_every_promise_with_sliding_layers_near_prefix_ends(storage: Storage, write: str) -> None:
     examples = int(LONG) if LONG else (8 if storage.kind == "file" else 3)
 
-    # write_back closed at once can lose a store's last pages at base too (a drain that writes
-    # before the backup it waits for has ended; seen with tests/pressure/test_bursts.py too), not this
-    # test's subject
-    closing = st.booleans() if write == "write_through" else st.just(False)
-
     @settings(max_examples=examples, deadline=None, derandomize=not LONG,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-    @given(prompts=prompts_st, calls=calls_st, close_at_once=closing)
+    @given(prompts=prompts_st, calls=calls_st, close_at_once=st.booleans())
     def run(prompts: list[list[int]], calls: list[Call], close_at_once: bool) -> None:
         anyio.run(run_burst, fresh(storage), write, prompts, calls, close_at_once)
 

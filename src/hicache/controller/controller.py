@@ -238,6 +238,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
         if not self.storage:
             return
         with anyio.CancelScope(shield=True, deadline=deadline):
+            # A spill in flight (the eviction worker's) makes its host copy only when its round
+            # ends: wait for it, else its node looks device-only and is never written.
+            await self.evictor.settle()
             for node in list(self.tree.nodes()):
                 if node.device is not None and node.host is None and self.residency.owed_below(node):
                     await self.submit_backup(node)

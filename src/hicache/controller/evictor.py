@@ -183,6 +183,12 @@ class Evictor:
 
     _device_leaf = staticmethod(device_leaf)
 
+    async def settle(self) -> None:
+        """Return once no device eviction round is in flight: its spills have their host copies
+        (what a shutdown's drain must see before it writes the host to storage)."""
+        async with self._device_lock:
+            pass
+
     async def evict_device(self, n_pages: int) -> int:
         """Free at least ``n_pages`` device pages if the residency rule allows; return how many."""
         async with self._device_lock:
