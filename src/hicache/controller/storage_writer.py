@@ -116,11 +116,13 @@ class StorageWriter:
                     # A node ends where a prompt ended or another branched off: a hit may end there.
                     window_from = len(job.keys) - job.sliding_tail
                     sliding += [i >= window_from for i in range(have, len(job.keys))]
+                if tier.window_pages:
+                    # Also when every page of the jobs is stored: ``exists`` saw their window only.
+                    await self._write_windows(tier, jobs)
                 if not keys:
                     continue
                 if tier.window_pages:
                     written = await tier.store(keys, pages, sliding=sliding)
-                    await self._write_windows(tier, jobs)
                 else:
                     written = await tier.store(keys, pages)
                 self.counters.storage_backups += written
