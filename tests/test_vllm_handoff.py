@@ -46,7 +46,7 @@ class ReceiveSpec:
     tokens: list[int]
     first_page: int
     end_page: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
 
 
 def _config(
@@ -74,12 +74,14 @@ class Copied:
     def __init__(self) -> None:
         self.pages: dict[int, list[torch.Tensor]] = {}
 
-    def __call__(self, block_ids: list[int], first_page: int, segments: list[tuple[Any, list[int]]]) -> None:
+    def __call__(self, block_ids: tuple[list[int], ...], first_page: int, segments: list[tuple[Any, list[int]]],
+                 thin: tuple[tuple[int, int], ...] = ()) -> int:
         page = first_page
         for tier, pages in segments:
             for p in pages:
                 self.pages[page] = [tier.layer_view(layer)[p].clone() for layer in range(2)]
                 page += 1
+        return page - first_page
 
 
 def _page_kv(kv: torch.Tensor, page: int) -> list[torch.Tensor]:
@@ -138,7 +140,7 @@ def _hand_off(portal: Any, producer: Any, consumer: Any, req_id: str, tokens: li
                        handed.get("pulse_s"))
     pages = len(tokens) // PS
     copied = Copied()
-    portal.call(consumer.begin_receives, [ReceiveSpec(req_id, tokens, 0, pages, list(range(pages)))], copied)
+    portal.call(consumer.begin_receives, [ReceiveSpec(req_id, tokens, 0, pages, (list(range(pages)),))], copied)
     (outcome,) = _received(consumer)
     return handed, outcome, copied
 
@@ -167,7 +169,7 @@ def test_a_prompt_handed_off_through_a_shared_folder_arrives_bit_for_bit(tmp_pat
                                       "expect": {"tokens": 8 * PS, "checks": [reply["check"]]}})
             assert reply is not None and reply["expect"] is True
             copied = Copied()
-            spec = ReceiveSpec("r1", tokens[: 8 * PS], 2, 8, list(range(8)))  # vLLM holds pages 0-1 itself
+            spec = ReceiveSpec("r1", tokens[: 8 * PS], 2, 8, (list(range(8)),))  # vLLM holds pages 0-1 itself
             portal.call(consumer.begin_receives, [spec], copied)
             (outcome,) = _received(consumer)
             assert outcome.spec is spec and outcome.from_page == 8  # everything arrived
@@ -218,7 +220,7 @@ def test_a_read_that_fails_is_read_again_within_the_receive_bound(tmp_path: Path
             assert portal.call(consumer.handoffs.expect, "r1", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0)
             copied = Copied()
             started = time.monotonic()
-            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, (list(range(4)),))], copied)
             (outcome,) = _received(consumer)
             assert outcome.from_page == 4 and sorted(copied.pages) == list(range(4))  # whole
             _assert_bit_for_bit(copied, kv)
@@ -252,7 +254,7 @@ def test_a_consumer_of_another_namespace_is_refused_and_gets_nothing_even_with_a
             assert forged != handed["check"]
             assert portal.call(consumer.handoffs.expect, "r2", tokens, 4 * PS, [forged], 0)
             copied = Copied()
-            portal.call(consumer.begin_receives, [ReceiveSpec("r2", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            portal.call(consumer.begin_receives, [ReceiveSpec("r2", tokens[: 4 * PS], 0, 4, (list(range(4)),))], copied)
             (outcome,) = _received(consumer)
             assert outcome.from_page == 0 and copied.pages == {}  # nothing: vLLM computes it all
             assert consumer.counters.pd_receive_failures == 1 and consumer.counters.pd_received_tokens == 0
@@ -278,14 +280,14 @@ def test_a_flushed_tier_a_failing_or_stalled_producer_and_an_aborted_request_end
             assert portal.call(consumer.handoffs.expect, "r1", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0)
             started = time.monotonic()
             copied = Copied()
-            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens[: 4 * PS], 0, 4, (list(range(4)),))], copied)
             (outcome,) = _received(consumer)
             assert outcome.from_page == 0 and copied.pages == {}
             assert 0.4 < time.monotonic() - started < 5  # its receive_timeout_s, then vLLM recomputes
             # An aborted request ends its receive at once (its blocks are freed after it is reported).
             assert portal.call(consumer.handoffs.expect, "r2", tokens[: 4 * PS], 4 * PS, [handed["check"]], 0)
             portal.call(consumer.handoffs.forget, "r2")
-            portal.call(consumer.begin_receives, [ReceiveSpec("r2", tokens[: 4 * PS], 0, 4, list(range(4)))], copied)
+            portal.call(consumer.begin_receives, [ReceiveSpec("r2", tokens[: 4 * PS], 0, 4, (list(range(4)),))], copied)
             (outcome,) = _received(consumer)
             assert outcome.spec.req_id == "r2" and outcome.from_page == 0
             assert consumer.counters.pd_receive_failures == 2
@@ -374,7 +376,7 @@ def test_a_slow_producer_keeps_its_consumer_waiting_with_its_pulse_and_a_silent_
         started = time.monotonic()
         assert portal.call(consumer.handoffs.expect, "r2", other[: 4 * PS], 4 * PS, [check], 0, "h-2", 0.2)
         copied = Copied()
-        portal.call(consumer.begin_receives, [ReceiveSpec("r2", other[: 4 * PS], 0, 4, list(range(4)))], copied)
+        portal.call(consumer.begin_receives, [ReceiveSpec("r2", other[: 4 * PS], 0, 4, (list(range(4)),))], copied)
         (outcome,) = _received(consumer)
         waited = time.monotonic() - started
         assert 0.8 < waited < 5, waited
@@ -459,7 +461,7 @@ def test_with_a_tenant_key_hand_off_parameters_forged_or_altered_by_a_client_are
         # The parameters as the producer made them: received whole, bit for bit.
         assert expect("r1", handed["check"], "h-1", handed["pulse_s"])
         copied = Copied()
-        portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens, 0, 4, list(range(4)))], copied)
+        portal.call(consumer.begin_receives, [ReceiveSpec("r1", tokens, 0, 4, (list(range(4)),))], copied)
         (outcome,) = _received(consumer)
         assert outcome.from_page == 4 and sorted(copied.pages) == [0, 1, 2, 3]
         _assert_bit_for_bit(copied, kv)

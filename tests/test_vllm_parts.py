@@ -186,19 +186,24 @@ def test_page_size_extra_keys_and_unsupported_models_are_checked(tmp_path: Path)
         cache_config_for(_vllm_config(str(tmp_path), mla=True))
 
 
-def test_a_sliding_window_layout_is_read_and_needs_the_hybrid_manager_off(tmp_path: Path) -> None:
-    """Gemma 3's layout from vLLM's HF text config; with vLLM's hybrid KV cache manager on (a block
-    table per layer kind, blocks freed behind the window) the connector refuses the model."""
+def test_a_sliding_window_layout_is_read_and_stored_whole_with_the_hybrid_manager_off(tmp_path: Path) -> None:
+    """Gemma 3's layout from vLLM's HF text config. With vLLM's hybrid KV cache manager on (the
+    default for this connector: a block table per layer kind, blocks behind the window freed) the
+    storage tier keeps sliding layers near prefix ends only; with it off vLLM keeps every token's
+    KV in blocks it serves again, so storage keeps pages whole."""
     vc = _vllm_config(str(tmp_path))
     kinds = ["sliding_attention"] * 3 + ["full_attention"]
     vc.model_config.hf_text_config = SimpleNamespace(num_hidden_layers=4, layer_types=kinds, sliding_window=512)
+    extra = {"overrides": {"tiers": {"storage": [{"kind": "file", "path": str(tmp_path / "pages")}]}}}
     for on in (None, False):
         vc.scheduler_config.disable_hybrid_kv_cache_manager = on
-        with pytest.raises(UnsupportedModelError, match="disable-hybrid-kv-cache-manager"):
-            cache_config_for(vc)
+        config = cache_config_for(vc, extra)
+        assert config.model.layers.canonical() == "sliding:512*3,full"
+        assert config.tiers.storage[0].split_layers is True
     vc.scheduler_config.disable_hybrid_kv_cache_manager = True
-    config = cache_config_for(vc)
+    config = cache_config_for(vc, extra)
     assert config.model.layers.canonical() == "sliding:512*3,full"
+    assert config.tiers.storage[0].split_layers is False
     vc.model_config.disable_sliding_window = True  # its sliding layers then attend over everything
     assert cache_config_for(vc).model.name.endswith("|sliding-window-disabled")
     vc.model_config.hf_text_config.layer_types = ["linear_attention"] * 3 + ["full_attention"]

@@ -418,8 +418,11 @@ class HiCache(anyio.AsyncContextManagerMixin):
         pin = Pin(path[-1]) if hit_pages > first else None
         segments: list[tuple[Any, list[int]]] = []
         by_tier = {"device": 0, "host": 0} | {tier.name: 0 for tier in ctl.storage}
+        thin: list[tuple[int, int]] = []
         pos = 0
         for node in path:
+            if node.thin:
+                thin.append((pos, pos + node.thin))
             if pos >= first:
                 # Host pages first: a node being loaded to the device (``loading``) has device pages
                 # whose data has not arrived; its host pages are whole. Device-only nodes are whole.
@@ -447,6 +450,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ctl.counters.latency["retrieve_last_layer"].observe(elapsed)
         return HeldPrefix(
             tokens=hit_pages * ps, start=start, by_tier=by_tier, segments=segments, pin=pin, check_open=ctl.check_open,
+            thin=tuple(thin),
         )
 
     # -- durability -------------------------------------------------------------------------------

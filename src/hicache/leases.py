@@ -203,7 +203,10 @@ class HeldPrefix(_PinnedPrefix):
     the cached prefix (whole pages, from token 0); ``start`` the tokens the caller said it holds
     already; ``segments`` lists, in order, the ``(tier, pages)`` holding tokens ``start..tokens``;
     ``by_tier`` says which tier supplied them (a storage tier's name for pages a prefetch brought
-    from it into host memory).
+    from it into host memory). ``thin``: ``(first, end)`` token-page ranges (from page 0) held
+    *thin*: their sliding-window layers' KV is absent (zeros), as a layer-split storage tier
+    returns pages far from any prefix end. The prefix's end never needs them (its window is
+    whole); an engine that keeps KV behind the window must not take them for real.
     """
 
     def __init__(
@@ -215,11 +218,13 @@ class HeldPrefix(_PinnedPrefix):
         segments: list[tuple[MemoryTier, list[int]]],
         pin: Pin | None,
         check_open: Callable[[], None],
+        thin: tuple[tuple[int, int], ...] = (),
     ) -> None:
         self.tokens = tokens
         self.start = start
         self.by_tier = MappingProxyType(dict(by_tier))
         self.segments = segments
+        self.thin = thin
         self._pin = pin
         self._check_open = check_open
         self._released = False

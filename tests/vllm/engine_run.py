@@ -33,6 +33,8 @@ def _llm(spec: dict[str, Any]) -> Any:
         kwargs["distributed_executor_backend"] = "uni"
     if spec.get("tensor_parallel_size", 1) > 1:
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+    if spec.get("hybrid_manager") is not None:  # vLLM's hybrid KV cache manager, asked for on or off
+        kwargs["disable_hybrid_kv_cache_manager"] = not spec["hybrid_manager"]
     return LLM(
         model=spec["model_dir"],
         dtype="float32",

@@ -69,26 +69,28 @@ def test_a_step_that_reaches_every_layer_saves_pages_that_load_back_bit_exact(wo
     tokens = list(range(1, 2 * BLOCK + 1))
     kv = _kv(worker)
     saved = [layer[[2, 5]].clone() for layer in kv]
-    _step(worker, HiCacheMetadata(saves=[SaveSpec("a", tokens, 0, 2, [2, 5])]), NAMES)
+    _step(worker, HiCacheMetadata(saves=[SaveSpec("a", tokens, 0, 2, ([2, 5],))]), NAMES)
     worker.portal.call(worker.service.settle)
     assert _cached(worker, tokens) == 2 * BLOCK
     # Load them into two other blocks: exactly those change, to the saved KV, every layer.
     for layer in kv:
-        layer[[0, 7]] = 0.0
-    _step(worker, HiCacheMetadata(loads=[LoadSpec("b", tokens, 0, 2, [7, 0])]), NAMES)
-    for layer, want in zip(kv, saved):
-        assert torch.equal(layer[7], want[0]) and torch.equal(layer[0], want[1])
+        layer[[1, 7]] = 0.0
+    before = [layer.clone() for layer in kv]
+    _step(worker, HiCacheMetadata(loads=[LoadSpec("b", tokens, 0, 2, ([7, 1],))]), NAMES)
+    for layer, want, old in zip(kv, saved, before):
+        assert torch.equal(layer[7], want[0]) and torch.equal(layer[1], want[1])
+        assert torch.equal(layer[[0, 2, 3, 4, 5, 6]], old[[0, 2, 3, 4, 5, 6]])
 
 
 def test_a_step_whose_forward_stopped_short_of_a_layer_keeps_nothing(worker: Any) -> None:
     from hicache.integrations.vllm.metadata import HiCacheMetadata, SaveSpec
 
     tokens = list(range(100, 100 + BLOCK))
-    _step(worker, HiCacheMetadata(saves=[SaveSpec("a", tokens, 0, 1, [3])]), NAMES[:-1])
+    _step(worker, HiCacheMetadata(saves=[SaveSpec("a", tokens, 0, 1, ([3],))]), NAMES[:-1])
     worker.portal.call(worker.service.settle)
     assert _cached(worker, tokens) == 0
     assert worker.service.counters.save_skipped_pages == 1
     # The same save with every layer is kept: the refusal above was the missing layer's.
-    _step(worker, HiCacheMetadata(saves=[SaveSpec("a", tokens, 0, 1, [3])]), NAMES)
+    _step(worker, HiCacheMetadata(saves=[SaveSpec("a", tokens, 0, 1, ([3],))]), NAMES)
     worker.portal.call(worker.service.settle)
     assert _cached(worker, tokens) == BLOCK

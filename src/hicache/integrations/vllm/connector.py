@@ -30,6 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["HiCacheConnector"]
@@ -70,8 +73,20 @@ def _worker_exit_budget_s(vllm_config: VllmConfig) -> float | None:
     return max(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + _SIGTERM_GRACE_S - _EXIT_MARGIN_S, 1.0)
 
 
-class HiCacheConnector(KVConnectorBase_V1):
-    """hicache's host and storage tiers under vLLM's paged KV (see the module docstring)."""
+def _layer_groups(kv_cache_config: KVCacheConfig | None) -> dict[str, int]:
+    """Each attention layer's KV cache group (vLLM's hybrid KV cache manager: one group per layer
+    kind and position, each with its own block table; without it, one group)."""
+    if kv_cache_config is None:
+        return {}
+    return {name: g for g, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+
+
+class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    """hicache's host and storage tiers under vLLM's paged KV (see the module docstring).
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``), which vLLM then leaves on for
+    models with sliding-window layers: their blocks behind the window are freed, and hicache
+    keeps their sliding layers only near prefix ends too (``docs/models.md``)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -96,7 +111,8 @@ class HiCacheConnector(KVConnectorBase_V1):
                 )
             config = cache_config_for(vllm_config, extra, device=device, fingerprint=False)
             ranks = RankChannels(engine_id, vllm_config.parallel_config.tensor_parallel_size)
-            self.scheduler = SchedulerSide(ranks, config.page_size, block_size, Roles.of(ktc.kv_role))
+            groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+            self.scheduler = SchedulerSide(ranks, config.page_size, block_size, Roles.of(ktc.kv_role), groups=groups)
         else:
             config = cache_config_for(vllm_config, extra, device=device, max_shutdown_s=_worker_exit_budget_s(vllm_config))
             if config.tiers.storage and vllm_config.shutdown_timeout == 0:
@@ -107,7 +123,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                     "=%.0f) and VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS at least controller.shutdown_timeout_s",
                     config.controller.shutdown_timeout_s,
                 )
-            self.worker = WorkerSide(config, block_size, self.channel_path, options)
+            self.worker = WorkerSide(config, block_size, self.channel_path, options, _layer_groups(kv_cache_config))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -145,12 +161,18 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.worker.end_step()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Prefill/decode: requests whose prompt is durable in the shared tier (sent: vLLM frees the
-        blocks it held for them) and requests whose prefill arrived (received: vLLM schedules them)."""
+        blocks it held for them); requests whose prefill arrived, or whose load vLLM waited for
+        was copied (received: vLLM schedules them); of those, the ones that came up short with
+        several KV cache groups (failed: vLLM recomputes them whole)."""
         if self.worker is None:
-            return None, None
-        sent, received = self.worker.take_finished(finished_req_ids)
-        return sent or None, received or None
+            return KVConnectorTransferResults()
+        sent, received, failed = self.worker.take_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
@@ -216,9 +238,20 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None and connector_output.failed_recving:
+            self.scheduler.loads_failed(set(connector_output.failed_recving))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Ends the request's prefetch; a producer's prefill for a remote decode is handed off: its
         blocks are kept until its pages are durable, and the answer carries what the decode server
         needs (``kv_transfer_params``)."""
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` under vLLM's hybrid KV cache manager (its blocks per group)."""
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)

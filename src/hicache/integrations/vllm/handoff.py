@@ -85,9 +85,10 @@ PULSE_S = 1.0  # how often a producer with a send in flight leaves a pulse in th
 SILENT_BEATS = 3  # pulse periods a consumer lets pass without the one due before it stops waiting
 _PULSE_RANGE_S = (0.01, 60.0)  # the pulse periods a consumer takes from a producer's parameters
 
-#: ``copy_in(block_ids, first_page, segments)``: copy held pages (``[(tier, pages)]``, from token
-#: page ``first_page`` on) into the request's vLLM blocks, every layer (run in a cache thread).
-CopyIn = Callable[[list[int], int, list[tuple[Any, list[int]]]], None]
+#: ``copy_in(block_ids, first_page, segments, thin)``: copy held pages (``[(tier, pages)]``, from token
+#: page ``first_page`` on) into the request's vLLM blocks (per KV cache group), every layer (run in a
+#: cache thread); the pages copied (fewer where pages held ``thin`` would land in blocks vLLM keeps).
+CopyIn = Callable[[tuple[list[int], ...], int, list[tuple[Any, list[int]]], tuple[tuple[int, int], ...]], int]
 
 
 @dataclasses.dataclass
@@ -474,8 +475,12 @@ class Handoffs:
                                     segments.append((tier, pages[:left]))
                                     left -= len(pages[:left])
                             started = time.perf_counter()
-                            await anyio.to_thread.run_sync(copy_in, spec.block_ids, pos, segments)
+                            copied = await anyio.to_thread.run_sync(copy_in, spec.block_ids, pos, segments, held.thin)
                             c.pd_copy_s += time.perf_counter() - started
+                            if copied < got - pos:  # pages held thin would land in blocks vLLM keeps
+                                log.info("hicache: %s: pages from %d on arrived without their sliding layers; vLLM "
+                                         "recomputes them", rec.req_id, pos + copied)
+                                got = end = pos + copied
                             take = (got - pos) * ps
                             for tier, n in held.by_tier.items():  # the tiers that supplied them, in order
                                 share = min(int(n), take)

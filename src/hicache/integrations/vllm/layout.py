@@ -36,7 +36,11 @@ import torch
 
 from ...errors import UnsupportedModelError
 
-__all__ = ["CopyRun", "BlockLayout", "copy_all"]
+__all__ = ["NULL_BLOCK", "CopyRun", "BlockLayout", "copy_all"]
+
+#: vLLM's null block: the first of its block pool, never handed out (``vllm/v1/core/block_pool.py``);
+#: a sliding window's group has it where its window has moved past
+NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -76,12 +80,15 @@ class BlockLayout:
 
     def runs(self, block_ids: list[int], first_page: int, pages: list[int]) -> list[CopyRun]:
         """Token pages ``first_page..first_page + len(pages)`` of a request whose blocks are
-        ``block_ids``, held in hicache ``pages``, as maximal runs."""
+        ``block_ids``, held in hicache ``pages``, as maximal runs. Pages in vLLM's null block (a
+        sliding window's group behind its window) have nowhere to go: they are left out."""
         out: list[CopyRun] = []
         per = self.per_block
         for i, page in enumerate(pages):
             j = first_page + i
             block, sub = block_ids[j // per], j % per
+            if block == NULL_BLOCK:
+                continue
             if out:
                 last = out[-1]
                 if page == last.page + last.length:
@@ -93,6 +100,24 @@ class BlockLayout:
                         continue
             out.append(CopyRun(block, sub, page, 1))
         return out
+
+    def first_unfit(self, block_ids: tuple[list[int], ...], sliding_groups: frozenset[int], first_page: int,
+                    end_page: int, thin: tuple[tuple[int, int], ...]) -> int:
+        """The first page of ``first_page..end_page`` held thin (its sliding layers' KV absent:
+        ``HeldPrefix.thin``) that would land in a live block of a group with sliding layers;
+        ``end_page`` if none. vLLM keeps such a block and later serves it from its own prefix
+        cache, so zeros there would be read as KV (behind the window, in its null block, nothing is
+        read)."""
+        per = self.per_block
+        for a, b in sorted(thin):
+            for j in range(max(a, first_page), min(b, end_page)):
+                if any(j // per < len(block_ids[g]) and block_ids[g][j // per] != NULL_BLOCK for g in sliding_groups):
+                    return j
+        return end_page
+
+    def group_runs(self, block_ids: tuple[list[int], ...], first_page: int, pages: list[int]) -> list[list[CopyRun]]:
+        """``runs`` for each KV cache group's blocks."""
+        return [self.runs(ids, first_page, pages) for ids in block_ids]
 
     # -- views ----------------------------------------------------------------------------------
 

@@ -1,4 +1,11 @@
-"""What the scheduler side tells the worker side each step (pickled by vLLM across processes)."""
+"""What the scheduler side tells the worker side each step (pickled by vLLM across processes).
+
+``block_ids`` holds one list per KV cache group, in vLLM's group order: one group for a model whose
+layers are all of one kind (or with vLLM's hybrid KV cache manager off), one per layer kind and
+position with it on (Gemma 3: one full-attention group, five sliding-window ones). A sliding
+group's list has vLLM's null block (``NULL_BLOCK``) where its window has moved past: those pages
+are neither loaded there nor saved from there.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,9 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["LoadSpec", "SaveSpec", "ReceiveSpec", "HiCacheMetadata"]
+from .layout import NULL_BLOCK
+
+__all__ = ["NULL_BLOCK", "LoadSpec", "SaveSpec", "ReceiveSpec", "HiCacheMetadata"]
 
 
 @dataclass(frozen=True)
@@ -14,14 +23,15 @@ class LoadSpec:
     """Copy token pages ``first_page..end_page`` of ``tokens`` from hicache into the request's blocks.
 
     ``tokens`` is the prefix to retrieve (``end_page`` whole pages); pages before ``first_page``
-    are already in vLLM's blocks (its own prefix cache).
+    are already in vLLM's blocks (its own prefix cache). Copied during the step's forward, or, in
+    ``HiCacheMetadata.async_loads``, before it and reported through ``get_finished``.
     """
 
     req_id: str
     tokens: list[int]
     first_page: int
     end_page: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,7 @@ class SaveSpec:
     tokens: list[int]
     first_page: int
     num_pages: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
 
 
 @dataclass(frozen=True)
@@ -49,7 +59,7 @@ class ReceiveSpec:
     tokens: list[int]
     first_page: int
     end_page: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
 
 
 @dataclass
@@ -57,3 +67,6 @@ class HiCacheMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     receives: list[ReceiveSpec] = field(default_factory=list)
+    #: loads vLLM waits for (``WAITING_FOR_REMOTE_KVS``): with several KV cache groups vLLM can
+    #: recompute a load that came up short only this way (its block ids repeat across groups)
+    async_loads: list[LoadSpec] = field(default_factory=list)

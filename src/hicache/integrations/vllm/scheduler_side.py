@@ -19,6 +19,13 @@ step must load and save.
 * When a request finishes or is aborted it tells the worker to drop its prefetch (only a request
   whose queued lookup left one held: the others cost no round trip).
 
+With vLLM's hybrid KV cache manager (several KV cache groups: full and sliding-window layers)
+block ids repeat across groups, and vLLM recomputes a load that came up short only for a request
+it waits for: loads are then asynchronous, ``(n, True)``, listed in the next step's
+``async_loads`` (the worker copies them before that step's forward and reports them received, or
+failed: vLLM then recomputes the request, which does not load again). Saves skip no page: they end
+before the first page any group holds only in vLLM's null block (behind a sliding window).
+
 Prefill/decode (``handoff.py`` has the worker's half; ``Roles`` what each ``kv_role`` does):
 
 * **Producer**: a request that asked for a remote decode (``kv_transfer_params`` with
@@ -51,6 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .channel import ChannelClient, pack_tokens
+from .layout import NULL_BLOCK
 from .metadata import HiCacheMetadata, LoadSpec, ReceiveSpec, SaveSpec
 from .profile import SCHEDULER_HOOKS, HookProfile
 from .ranks import RankChannels
@@ -64,8 +72,13 @@ log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers pri
 @dataclass
 class _Tracked:
     request: Any  # vllm.v1.request.Request
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     stored_pages: int  # leading pages hicache holds (found by the lookup or saved since)
+
+
+def _groups(block_ids: Any) -> list[list[int]]:
+    """vLLM's block ids of a request, one list per KV cache group, as lists."""
+    return [list(ids) for ids in block_ids]
 
 
 #: what a request that a producer handed off must finish as (not aborted, not an error)
@@ -91,12 +104,17 @@ def handoff_params(request: Any) -> dict[str, Any] | None:
 
 class SchedulerSide:
     def __init__(
-        self, client: ChannelClient | RankChannels, page_size: int, block_size: int, roles: Roles | None = None
+        self, client: ChannelClient | RankChannels, page_size: int, block_size: int, roles: Roles | None = None,
+        groups: int = 1,
     ) -> None:
         self.client = client
         self.page_size = page_size
         self.block_size = block_size
         self.roles = roles or Roles()
+        self.async_loads = groups > 1  # several KV cache groups: loads vLLM waits for (module docstring)
+        self._async: list[LoadSpec] = []  # async loads granted this step, for its metadata
+        self._local: dict[str, int] = {}  # req_id -> vLLM's own hit at its last lookup (async loads)
+        self._failed: set[str] = set()  # requests whose async load came up short: computed, not loaded again
         self._expect: dict[str, int] = {}  # consumer: req_id -> tokens the worker watches for (accepted)
         self._watched: set[str] = set()  # consumer: requests the worker had a receive for (told at finish)
         self._receives: list[ReceiveSpec] = []  # async loads granted this step, for its metadata
@@ -188,9 +206,15 @@ class SchedulerSide:
         hit = self._fresh(request)
         if hit is None:
             hit = self._lookup(request, prefetch=False)[0] or 0
+        if request.request_id in self._failed:
+            hit = 0  # its load came up short: vLLM recomputes it whole
         self._hits[request.request_id] = hit
         if not self.roles.loads_cached:
             return 0, False  # a producer only: the hit tells its save plan what hicache holds already
+        if self.async_loads:
+            self._local[request.request_id] = num_computed_tokens
+            n = max(0, hit - num_computed_tokens)
+            return n, n > 0
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, num_external_tokens: int, blocks: Any = None) -> None:
@@ -200,13 +224,22 @@ class SchedulerSide:
             if num_external_tokens > 0 and blocks is not None:
                 ps = self.page_size
                 computed = receive - num_external_tokens  # what vLLM's own prefix cache holds
-                block_ids = list(blocks.get_block_ids()[0])
+                block_ids = tuple(_groups(blocks.get_block_ids()))
                 tokens = list(request.all_token_ids[:receive])
                 self._receives.append(ReceiveSpec(rid, tokens, computed // ps, receive // ps, block_ids))
                 # Scheduled again once received (update_state_after_alloc with 0): its saves start after these.
                 self._hits[rid] = receive
                 return
             self._forget(rid, finished=False)  # vLLM holds the prefix itself: nothing to wait for
+        local = self._local.pop(rid, None)
+        if self.async_loads and num_external_tokens > 0 and local is not None and blocks is not None:
+            ps = self.page_size
+            end = (local + num_external_tokens) // ps
+            tokens = list(request.all_token_ids[: end * ps])
+            self._async.append(LoadSpec(rid, tokens, local // ps, end, tuple(_groups(blocks.get_block_ids()))))
+            # Scheduled again once loaded (update_state_after_alloc with 0): its saves start after these.
+            self._hits[rid] = end * ps
+            return
         self._pending[rid] = num_external_tokens
         # (Re)scheduled from the waiting queue, maybe after a preemption: plan from scratch.
         self._tracked[request.request_id] = _Tracked(
@@ -230,12 +263,13 @@ class SchedulerSide:
     def _build_meta(self, scheduler_output: Any) -> HiCacheMetadata:
         meta = HiCacheMetadata()
         meta.receives, self._receives = self._receives, []
+        meta.async_loads, self._async = self._async, []
         steps = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
                 continue
-            tracked.block_ids = list(new.block_ids[0])
+            tracked.block_ids = _groups(new.block_ids)
             self._plan_load(meta, tracked, new.req_id, new.num_computed_tokens)
             self._plan_save(meta, tracked, new.req_id, new.num_computed_tokens, steps.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
@@ -245,10 +279,11 @@ class SchedulerSide:
                 continue
             new_blocks = cached.new_block_ids[i]
             if new_blocks is not None:
-                if req_id in cached.resumed_req_ids:
-                    tracked.block_ids = list(new_blocks[0])
+                if req_id in cached.resumed_req_ids or len(tracked.block_ids) != len(new_blocks):
+                    tracked.block_ids = _groups(new_blocks)
                 else:
-                    tracked.block_ids.extend(new_blocks[0])
+                    for ids, new_ids in zip(tracked.block_ids, new_blocks):
+                        ids.extend(new_ids)
             if req_id in cached.resumed_req_ids:  # back from a preemption: it may load again
                 self._plan_load(meta, tracked, req_id, cached.num_computed_tokens[i])
             self._plan_save(meta, tracked, req_id, cached.num_computed_tokens[i], steps.get(req_id, 0))
@@ -261,7 +296,7 @@ class SchedulerSide:
         ps = self.page_size
         first, end = (computed - ext) // ps, computed // ps
         tokens = list(tracked.request.all_token_ids[: end * ps])
-        meta.loads.append(LoadSpec(req_id, tokens, first, end, list(tracked.block_ids)))
+        meta.loads.append(LoadSpec(req_id, tokens, first, end, tuple(list(ids) for ids in tracked.block_ids)))
 
     def _plan_save(self, meta: HiCacheMetadata, tracked: _Tracked, req_id: str, computed: int, scheduled: int) -> None:
         if not self.roles.saves:
@@ -272,15 +307,20 @@ class SchedulerSide:
         if computed < tracked.stored_pages * ps:
             tracked.stored_pages = computed // ps
         end = (computed + scheduled) // ps
-        have_blocks = len(tracked.block_ids) * self.block_size // ps
+        have_blocks = min((len(ids) for ids in tracked.block_ids), default=0) * self.block_size // ps
         end = min(end, have_blocks)
-        if end <= tracked.stored_pages:
-            return
         first = tracked.stored_pages
+        per = self.block_size // ps
+        for j in range(first, end):  # a page no group may miss: behind a sliding window, vLLM kept none
+            if any(ids[j // per] == NULL_BLOCK for ids in tracked.block_ids):
+                end = j
+                break
+        if end <= first:
+            return
         tokens = list(tracked.request.all_token_ids[: end * ps])
         if len(tokens) < end * ps:
             return  # the tokens are not known yet (cannot happen for computed tokens)
-        meta.saves.append(SaveSpec(req_id, tokens, first, end - first, list(tracked.block_ids)))
+        meta.saves.append(SaveSpec(req_id, tokens, first, end - first, tuple(list(ids) for ids in tracked.block_ids)))
         tracked.stored_pages = end
 
     def request_finished(self, request: Any, block_ids: Any = ()) -> tuple[bool, dict[str, Any] | None]:
@@ -293,6 +333,8 @@ class SchedulerSide:
         self._hits.pop(rid, None)
         self._queued.pop(rid, None)
         self._expect.pop(rid, None)
+        self._local.pop(rid, None)
+        self._failed.discard(rid)
         if rid in self._held or rid in self._watched:
             self._forget(rid, finished=True)
         result: tuple[bool, dict[str, Any] | None] = (False, None)
@@ -300,6 +342,10 @@ class SchedulerSide:
             result = self._handoff(request)
         self.profile.add("finish", time.perf_counter() - started)
         return result
+
+    def loads_failed(self, req_ids: set[str]) -> None:
+        """vLLM's worker reported these async loads short (``failed_recving``): they are computed."""
+        self._failed.update(req_ids)
 
     def _forget(self, rid: str, *, finished: bool) -> None:
         self._held.discard(rid)

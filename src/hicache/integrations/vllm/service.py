@@ -436,7 +436,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
             held.release()
             view = await stack.enter_async_context(cache.retrieve(spec.tokens))
             await view.wait_all()
-            return _Staged(view, spec.first_page, ps)
+            return _Staged(view, spec.first_page, ps, held.thin)
         except HiCacheError as exc:
             log.warning("hicache: hold for %s failed: %r", spec.req_id, exc)
             return None
@@ -576,10 +576,12 @@ class CacheService(anyio.AsyncContextManagerMixin):
 
 class _Staged:
     """A load brought up through the device tier (``retrieve``), shaped as a ``HeldPrefix``: the
-    pages after ``first_page`` on the device tier, and which tier supplied them."""
+    pages after ``first_page`` on the device tier, and which tier supplied them. ``thin``: the
+    thin pages the hold it replaces saw (``HeldPrefix.thin``)."""
 
-    def __init__(self, view: Any, first_page: int, page_size: int) -> None:
+    def __init__(self, view: Any, first_page: int, page_size: int, thin: tuple[tuple[int, int], ...] = ()) -> None:
         self.tokens = view.tokens
+        self.thin = thin
         pages = view.device_pages[first_page:]
         self.segments = [(view.tier, pages)] if pages else []
         self.by_tier = _after(view.by_tier, first_page * page_size, len(pages) * page_size)

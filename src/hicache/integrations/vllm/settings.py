@@ -182,14 +182,6 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
     if getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False):
         raise UnsupportedModelError(f"{name}: hybrid and attention-free models keep state hicache does not cache")
     layers = from_hf_config(name, mc.hf_text_config)
-    if layers.hybrid and vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is not True:
-        # With the hybrid manager each layer kind has its own block table, and sliding layers free
-        # blocks behind the window: the connector reads one table and every token's KV.
-        raise UnsupportedModelError(
-            f"{name}: sliding-window layers with vLLM's hybrid KV cache manager on; the hicache connector "
-            "needs it off (--disable-hybrid-kv-cache-manager, which vLLM sets itself for connectors "
-            "without hybrid support unless it was asked for explicitly)"
-        )
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kv_cache_dtype {cache_dtype!r}: only the model dtype ('auto') is supported")
@@ -320,6 +312,8 @@ def cache_config_for(
             max_shutdown_s, wanted,
         )
     config = load_config(path, overrides=_merge(user, derived))
+    if config.model.layers.splits and _one_block_table(vllm_config):
+        config = _whole_pages(config)
     role = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_role", None)
     if fingerprint and role == "kv_consumer" and config.tenant_key is None:
         log.warning(
@@ -330,6 +324,26 @@ def cache_config_for(
             _pd_options(extra.get("pd")).receive_timeout_s,
         )
     return config
+
+
+def _one_block_table(vllm_config: Any) -> bool:
+    """Whether vLLM's hybrid KV cache manager is off: one block table, every token's KV kept."""
+    return vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is True
+
+
+def _whole_pages(config: HiCacheConfig) -> HiCacheConfig:
+    """``config`` with every storage tier storing whole pages (``split_layers: false``).
+
+    With the hybrid manager off vLLM keeps every token's KV of every layer and serves those blocks
+    from its own prefix cache again: a page read back without its sliding layers cannot go there
+    (``BlockLayout.first_unfit`` cuts the load before it), so storage keeps each page whole.
+    """
+    if not any(t.split_layers for t in config.tiers.storage):
+        return config
+    log.info("hicache: vLLM's hybrid KV cache manager is off (one block table, every token's KV kept): storage "
+             "tiers keep whole pages (split_layers: false)")
+    storage = [t.model_copy(update={"split_layers": False}) for t in config.tiers.storage]
+    return config.model_copy(update={"tiers": config.tiers.model_copy(update={"storage": storage})})
 
 
 def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,13 @@ load that comes up short is reported as failed blocks, which vLLM recomputes
 (``kv_load_failure_policy="recompute"``); a request whose load failed saves nothing that step,
 nor does a step whose forward did not reach every layer. Without a host tier the pages live on
 the device tier instead, by the same path.
+
+With vLLM's hybrid KV cache manager (a model with full and sliding-window layers) each KV cache
+group has its own block table, and vLLM can take back a load that came up short only for a
+request it waits for: such loads come as ``async_loads``, are copied in ``bind`` (every layer,
+each into its group's blocks, none into a sliding group's null blocks) and are reported received,
+or failed, through ``get_finished``. Pages held *thin* (their sliding layers absent) are never
+copied into a block vLLM keeps (``BlockLayout.first_unfit``): the load is cut before them.
 """
 
 from __future__ import annotations
@@ -51,9 +58,10 @@ _IDLE_STEP_WAIT_S = 0.005  # how long such a call may wait for a hand-off to end
 class _Step:
     meta: HiCacheMetadata
     leases: StepLeases | None = None
-    # per load: (spec, [(the tier's pages_view per layer, runs)], tokens loaded, tokens by tier)
-    loads: list[tuple[LoadSpec, list[tuple[list[Any], list[CopyRun]]], int, dict[str, int]]] = field(default_factory=list)
-    saves: list[tuple[list[Any], list[CopyRun]]] = field(default_factory=list)  # (pages_view per layer, runs)
+    # per load: (spec, [(the tier's pages_view per layer, runs per KV cache group)], tokens loaded, tokens by tier)
+    loads: list[tuple[LoadSpec, list[tuple[list[Any], list[list[CopyRun]]]], int, dict[str, int]]] = field(
+        default_factory=list)
+    saves: list[tuple[list[Any], list[list[CopyRun]]]] = field(default_factory=list)  # (pages_view per layer, runs per group)
     failed_reqs: set[str] = field(default_factory=set)
     failed_blocks: set[int] = field(default_factory=set)
     recompute_from: dict[str, int] = field(default_factory=dict)  # request -> first token vLLM recomputes
@@ -65,7 +73,8 @@ class WorkerSide:
     """Owns the event-loop thread, the ``CacheService`` in it, and vLLM's per-layer KV tensors."""
 
     def __init__(
-        self, config: HiCacheConfig, block_size: int, socket_path: str, options: ConnectorOptions | None = None
+        self, config: HiCacheConfig, block_size: int, socket_path: str, options: ConnectorOptions | None = None,
+        layer_groups: dict[str, int] | None = None,
     ) -> None:
         self.config = config
         self.options = options or ConnectorOptions()
@@ -76,7 +85,10 @@ class WorkerSide:
             head_dim=config.model.head_dim,
         )
         self.socket_path = socket_path
-        self.layers: dict[str, tuple[int, Any]] = {}  # name -> (layer index, its blocks_view)
+        self.layers: dict[str, tuple[int, Any, int]] = {}  # name -> (layer index, its blocks_view, its KV cache group)
+        self.layer_groups = dict(layer_groups or {})  # name -> vLLM's KV cache group (absent: 0)
+        self.sliding_groups: frozenset[int] = frozenset()  # groups holding a sliding-window layer
+        self._async_done: list[tuple[str, bool]] = []  # async loads copied since vLLM last asked: (request, whole)
         self._pages: dict[int, tuple[torch.Tensor, list[Any]]] = {}  # id(tier) -> (its buffer, pages_view per layer)
         self._exit = ExitStack()
         self.portal: BlockingPortal | None = None
@@ -94,9 +106,11 @@ class WorkerSide:
 
         if len(kv_caches) != self.config.model.num_layers:
             log.warning("hicache: vLLM has %d KV layers, the model config %d", len(kv_caches), self.config.model.num_layers)
+        sliding = set(self.config.model.layers.sliding)
         for name, kv in kv_caches.items():
             self.layout.check_layer(name, kv)
-            self.layers[name] = (extract_layer_index(name), self.layout.blocks_view(kv))
+            self.layers[name] = (extract_layer_index(name), self.layout.blocks_view(kv), self.layer_groups.get(name, 0))
+        self.sliding_groups = frozenset(g for index, _, g in self.layers.values() if index in sliding)
         try:
             self._exit.enter_context(shortened_switch_interval(self.options.gil_switch_interval_s))
             self.portal = self._exit.enter_context(start_blocking_portal())
@@ -175,6 +189,8 @@ class WorkerSide:
         self._step = step
         if meta.receives:  # prefill/decode: copied in by the cache when the pages arrive (handoff.py)
             self._portal.call(self._service.begin_receives, meta.receives, self._copy_received)
+        if meta.async_loads:
+            self._load_now(meta.async_loads)
         if not meta.loads and not meta.saves:
             return
         try:
@@ -210,17 +226,26 @@ class WorkerSide:
                 self._fail(step, spec, max(got, spec.first_page))
             if held is None or got <= spec.first_page:
                 continue
+            fit = self.layout.first_unfit(spec.block_ids, self.sliding_groups, spec.first_page, got, held.thin)
+            if fit < got:
+                log.info("hicache: load for %s cut at page %d of %d..%d: pages from there are held without their "
+                         "sliding layers and vLLM keeps their blocks; vLLM recomputes the rest",
+                         spec.req_id, fit, spec.first_page, spec.end_page)
+                self._fail(step, spec, fit)
+                got = fit
+                if got <= spec.first_page:
+                    continue
             plans, page = [], spec.first_page
             for tier, pages in held.segments:
                 pages = pages[: got - page]
                 if pages:
-                    plans.append((self._views(tier), self.layout.runs(spec.block_ids, page, pages)))
+                    plans.append((self._views(tier), self.layout.group_runs(spec.block_ids, page, pages)))
                     page += len(pages)
             by_tier = {t: n for t, n in held.by_tier.items() if n}
             step.loads.append((spec, plans, (got - spec.first_page) * ps, by_tier))
         for spec, res in zip(meta.saves, step.leases.reservations):
             if res is not None and spec.req_id not in step.failed_reqs:
-                step.saves.append((self._views(res.tier), self.layout.runs(spec.block_ids, spec.first_page, res.pages)))
+                step.saves.append((self._views(res.tier), self.layout.group_runs(spec.block_ids, spec.first_page, res.pages)))
 
     def _views(self, tier: Any) -> list[Any]:
         """``tier``'s pages as ``pages_view`` per layer, made once (a tier's buffer lives as long as the cache)."""
@@ -236,7 +261,7 @@ class WorkerSide:
         ps, bs = self.layout.page_size, self.layout.block_size
         first_block = from_page * ps // bs
         last_block = (spec.end_page * ps - 1) // bs
-        step.failed_blocks.update(spec.block_ids[first_block : last_block + 1])
+        step.failed_blocks.update(spec.block_ids[0][first_block : last_block + 1])  # one group: no async loads
         step.failed_reqs.add(spec.req_id)
         at = first_block * bs
         step.recompute_from[spec.req_id] = min(at, step.recompute_from.get(spec.req_id, at))
@@ -251,14 +276,46 @@ class WorkerSide:
         started = time.perf_counter()
         step.loaded = True
         try:
-            copy_all([pair for layer, blocks in self.layers.values() for _, plans, _, _ in step.loads
-                      for pages, runs in plans for pair in self.layout.copy_in_runs(pages[layer], blocks, runs)])
+            self._copy_loads(step)
         except HiCacheError as exc:  # the cache closed under the step: its pages cannot be read
             log.error("hicache: load of the step failed: %r; vLLM recomputes", exc)
             for spec, _, _, _ in step.loads:
                 self._fail(step, spec, spec.first_page)
             step.loads = []
         finally:
+            self._service.worker_profile.add("load", time.perf_counter() - started)
+
+    def _copy_loads(self, step: _Step) -> None:
+        copy_all([pair for layer, blocks, group in self.layers.values() for _, plans, _, _ in step.loads
+                  for pages, runs in plans for pair in self.layout.copy_in_runs(pages[layer], blocks, runs[group])])
+
+    def _load_now(self, specs: list[LoadSpec]) -> None:
+        """Loads vLLM waits for (several KV cache groups): held, copied every layer and released
+        now, before the step's forward; reported by ``take_finished``. One that comes up short
+        is reported failed whole: vLLM recomputes such a request from its first token."""
+        step = _Step(HiCacheMetadata(loads=specs))
+        started = time.perf_counter()
+        try:
+            step.leases = self._portal.call(self._service.open_step, specs, [])
+            self._plan(step)
+            if step.loads:
+                self._copy_loads(step)
+        except HiCacheError as exc:  # the cache closed or a worker of it failed: vLLM recomputes
+            log.error("hicache: loads not served: %r", exc)
+            step.failed_reqs.update(spec.req_id for spec in specs)
+        finally:
+            ps = self.layout.page_size
+            loaded = {spec.req_id: (tokens, by_tier) for spec, _, tokens, by_tier in step.loads}
+            records = []
+            for spec in specs:
+                whole = spec.req_id not in step.failed_reqs
+                tokens, by_tier = loaded.get(spec.req_id, (0, {})) if whole else (0, {})
+                records.append((spec.req_id, tokens, by_tier, (spec.end_page - spec.first_page) * ps - tokens))
+                if tokens:
+                    log.info("hicache: loaded %d tokens for %s %s", tokens, spec.req_id, by_tier)
+                self._async_done.append((spec.req_id, whole))
+            if step.leases is not None:
+                self._service.schedule_finish(step.leases, None, set(), records)
             self._service.worker_profile.add("load", time.perf_counter() - started)
 
     def after_layer(self, name: str, kv: torch.Tensor) -> None:
@@ -281,8 +338,8 @@ class WorkerSide:
                                 len(step.saved_layers), len(self.layers))
                 step.failed_reqs.update(spec.req_id for spec in step.meta.saves)  # counted as skipped
                 return
-            copy_all([pair for layer, blocks in self.layers.values() for pages, runs in step.saves
-                      for pair in self.layout.copy_out_runs(blocks, pages[layer], runs)])
+            copy_all([pair for layer, blocks, group in self.layers.values() for pages, runs in step.saves
+                      for pair in self.layout.copy_out_runs(blocks, pages[layer], runs[group])])
         except HiCacheError as exc:
             log.error("hicache: save of the step failed: %r; the step saves nothing", exc)
             step.failed_reqs.update(spec.req_id for spec in step.meta.saves)
@@ -331,12 +388,15 @@ class WorkerSide:
 
     # -- prefill/decode hand-offs (handoff.py) ----------------------------------------------------
 
-    def take_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        """vLLM's ``get_finished``: hand-offs made durable (sent) and hand-offs copied in (received)
-        since the last step; what a receive missed goes to ``take_errors`` in the same step."""
+    def take_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """vLLM's ``get_transfer_results``: hand-offs made durable (sent), hand-offs and loads vLLM
+        waited for copied in (received), and those of them that came up short (failed: vLLM
+        recomputes them whole). What a hand-off's receive missed goes to ``take_errors``."""
+        done, self._async_done = self._async_done, []
+        failed = {rid for rid, whole in done if not whole}
         service = self.service
         if service is None:
-            return set(), set()
+            return set(), {rid for rid, _ in done}, failed
         now = time.perf_counter()
         # Asked again within a millisecond or two: a step without a forward (requests only waiting
         # for transfers): let the call wait a little for one to end instead of spinning.
@@ -349,18 +409,28 @@ class WorkerSide:
             if outcome.from_page < spec.end_page:
                 first_block = outcome.from_page * ps // bs
                 last_block = (spec.end_page * ps - 1) // bs
-                self._errors.update(spec.block_ids[first_block : last_block + 1])
-        return sent, {outcome.spec.req_id for outcome in received}
+                if len(spec.block_ids) > 1:  # vLLM maps no block id back to a request with several groups
+                    failed.add(spec.req_id)
+                else:
+                    self._errors.update(spec.block_ids[0][first_block : last_block + 1])
+        return sent, {outcome.spec.req_id for outcome in received} | {rid for rid, _ in done}, failed
 
-    def _copy_received(self, block_ids: list[int], first_page: int, segments: list[tuple[Any, list[int]]]) -> None:
+    def _copy_received(self, block_ids: tuple[list[int], ...], first_page: int, segments: list[tuple[Any, list[int]]],
+                       thin: tuple[tuple[int, int], ...] = ()) -> int:
         """In a cache thread: held pages from token page ``first_page`` on into a waiting request's
-        blocks, every layer (vLLM runs no forward over these blocks until they are reported)."""
+        blocks, every layer (vLLM runs no forward over these blocks until they are reported); the
+        pages copied (fewer where a thin page would land in a block vLLM keeps)."""
+        end = first_page + sum(len(pages) for _, pages in segments)
+        end = self.layout.first_unfit(block_ids, self.sliding_groups, first_page, end, thin)
         plans, page = [], first_page
         for tier, pages in segments:
-            plans.append((self._views(tier), self.layout.runs(block_ids, page, pages)))
-            page += len(pages)
-        copy_all([pair for layer, blocks in self.layers.values() for views, runs in plans
-                  for pair in self.layout.copy_in_pairs(views[layer], blocks, runs)])
+            pages = pages[: end - page]
+            if pages:
+                plans.append((self._views(tier), self.layout.group_runs(block_ids, page, pages)))
+                page += len(pages)
+        copy_all([pair for layer, blocks, group in self.layers.values() for views, runs in plans
+                  for pair in self.layout.copy_in_pairs(views[layer], blocks, runs[group])])
+        return end - first_page
 
 
 def _scale(by_tier: dict[str, int], kept: int, tokens: int) -> dict[str, int]:
