@@ -69,13 +69,17 @@ async def test_a_long_prompt_costs_a_quarter_of_its_whole_pages_and_comes_back_e
         assert isinstance(cache.controller.storage[0], LayerSplitTier)
         await cache.store(tokens, kv)
         await cache.wait_idle()
+        split_moved = cache.stats().bytes_moved["host_to_storage"]
     whole = hybrid_config(tmp_path / "whole", split_layers=False)
     async with HiCache.from_config(whole) as cache:
         assert not isinstance(cache.controller.storage[0], LayerSplitTier)
         await cache.store(tokens, kv)
         await cache.wait_idle()
+        whole_moved = cache.stats().bytes_moved["host_to_storage"]
     pages = 1024 // PAGE
     layer = config.page_bytes // 6
+    # What the cache says it moved is the KV it wrote, headers aside.
+    assert whole_moved == pages * 6 * layer and split_moved == pages * layer + WINDOW_PAGES * 5 * layer
     # 1 of 6 layers for 256 pages, 5 of 6 for the window's 7, and a 128-byte header per part
     assert stored_bytes(tmp_path / "whole") == pages * (6 * layer + 128)
     assert stored_bytes(tmp_path / "split") == pages * (layer + 128) + WINDOW_PAGES * (5 * layer + 128)

@@ -118,15 +118,18 @@ class StorageWriter:
                     sliding += [i >= window_from for i in range(have, len(job.keys))]
                 if tier.window_pages:
                     # Also when every page of the jobs is stored: ``exists`` saw their window only.
-                    await self._write_windows(tier, jobs)
+                    windows = await self._write_windows(tier, jobs)
+                    self.counters.bytes_moved["host_to_storage"] += tier.payload_bytes(0, windows)  # type: ignore[attr-defined]
                 if not keys:
                     continue
                 if tier.window_pages:
                     written = await tier.store(keys, pages, sliding=sliding)
+                    moved = tier.payload_bytes(written, sum(sliding[:written]))  # type: ignore[attr-defined]
                 else:
                     written = await tier.store(keys, pages)
+                    moved = written * self.page_bytes
                 self.counters.storage_backups += written
-                self.counters.bytes_moved["host_to_storage"] += written * self.page_bytes
+                self.counters.bytes_moved["host_to_storage"] += moved
                 if tier.detached:
                     continue  # detached while we wrote: its shortfall is nobody's loss
                 for j in set(owner[written:]):
@@ -140,13 +143,16 @@ class StorageWriter:
         return ok
 
     @staticmethod
-    async def _write_windows(tier: StorageTier, jobs: list[StorageJob]) -> None:
+    async def _write_windows(tier: StorageTier, jobs: list[StorageJob]) -> int:
         """The sliding layers of the ancestors' window pages each job's end needs (best effort:
-        an end whose window is not whole in storage is a shorter hit, never a wrong one)."""
+        an end whose window is not whole in storage is a shorter hit, never a wrong one); the
+        sliding parts written."""
+        written = 0
         for job in jobs:
             keys = job.window_keys
             if keys and not tier.detached:
-                await tier.store_sliding(keys, job.window_pages)  # type: ignore[attr-defined]
+                written += await tier.store_sliding(keys, job.window_pages)  # type: ignore[attr-defined]
+        return written
 
     def writing_to(self, tier: StorageTier) -> int:
         """How many writes in flight include ``tier``."""

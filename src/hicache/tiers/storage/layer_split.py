@@ -210,11 +210,15 @@ class LayerSplitTier(_PartTier):
 
     async def store_sliding(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         """Write the sliding parts of pages whose full parts are stored (the window of a later end),
-        from the first one missing; pages stored from the start."""
+        from the first one missing; the sliding parts written."""
         have = await self.sliding_part.exists(keys)
         if have == len(keys):
-            return have
-        return have + await self.sliding_part.store(keys[have:], host_pages[have:])
+            return 0
+        return await self.sliding_part.store(keys[have:], host_pages[have:])
+
+    def payload_bytes(self, pages: int, sliding: int = 0) -> int:
+        """KV bytes of ``pages`` full parts and ``sliding`` sliding parts (before codecs and headers)."""
+        return pages * self.codec.payload_bytes + sliding * self.sliding_part.codec.payload_bytes
 
     async def has_mark(self, key: bytes) -> bool:
         return await StorageTier.exists(self, [key]) == 1
