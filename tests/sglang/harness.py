@@ -176,3 +176,129 @@ class Rig:
 
     def close(self) -> None:
         self.controller.detach_storage_backend()
+
+
+@dataclass
+class HybridRig:
+    """SGLang's ``HybridCacheController`` over a sliding-window model's two host pools, as SGLang's
+    ``build_hybrid_swa_group`` builds them: ``kv`` (the 3 full-attention layers, the anchor) and
+    ``swa`` (the 3 sliding layers), each an ``MHATokenToKVPoolHost`` over its half of an ``SWAKVPool``
+    (pages of one size in both pools, so only their namespaces tell them apart). ``window`` is the
+    sliding window in pages: the ``swa`` pages a prefix end needs."""
+
+    extra: dict[str, Any]
+    layout: str = "page_first"
+    model: str = "test-model"
+    window: int = 3
+    shape: Shape = SMALL
+    controller: Any = field(init=False)
+
+    FULL_LAYERS = (1, 3, 5)
+    SWA_LAYERS = (0, 2, 4)
+
+    def __post_init__(self) -> None:
+        import torch.distributed as dist
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.hicache_storage import PoolName
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+        from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        s = self.shape
+        device = SWAKVPool(
+            size=s.tokens, size_swa=s.tokens, page_size=s.page_size, dtype=s.dtype, head_num=s.heads,
+            head_dim=s.head_dim, swa_attention_layer_ids=list(self.SWA_LAYERS),
+            full_attention_layer_ids=list(self.FULL_LAYERS), device="cpu",
+        )
+        allocator = SWATokenToKVPoolAllocator(
+            s.tokens, s.tokens, s.page_size, s.dtype, "cpu", device, need_sort=False
+        )
+
+        def host(pool: Any) -> Any:
+            return MHATokenToKVPoolHost(
+                pool.get_device_pool_infos()[0].buffer_info, 2.0, 0, s.page_size, self.layout, pin_memory=False,
+                device="cpu", device_capacity_tokens=pool.size, start_layer=pool.start_layer, end_layer=pool.end_layer,
+            )
+
+        self.kv, self.swa = host(device.full_kv_pool), host(device.swa_kv_pool)
+        group = HostPoolGroup([
+            PoolEntry(PoolName.KV, self.kv, device.full_kv_pool, lambda i: i, is_primary_index_anchor=True),
+            PoolEntry(PoolName.SWA, self.swa, device.swa_kv_pool, lambda i: i),
+        ])
+        self.controller = HybridCacheController(
+            allocator, group, s.page_size, dist.group.WORLD, threading.Event(), io_backend="direct",
+            storage_backend="dynamic", model_name=self.model, storage_backend_extra_config={**MODULE, **self.extra},
+            transfer_layer_id_max=len(self.FULL_LAYERS) + len(self.SWA_LAYERS),
+        )
+
+    @property
+    def storage(self) -> Any:
+        return self.controller.storage_backend
+
+    def _swa_transfer(self, **kw: Any) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        return PoolTransfer(name=PoolName.SWA, hit_policy=PoolHitPolicy.TRAILING_PAGES, **kw)
+
+    def backup(self, kv_slots: torch.Tensor, swa_slots: torch.Tensor, tokens: Sequence[int]) -> tuple[int, int]:
+        """``write_storage`` of ``tokens`` with the ``swa`` pages of its last ``len(swa_slots)`` pages, as
+        SGLang's SWA component builds it (``CacheTransferPhase.BACKUP_STORAGE``): ``(kv tokens, swa pages)``
+        SGLang counts as written."""
+        hashes = page_hashes(tokens, self.kv.page_size)
+        n = swa_slots.numel() // self.swa.page_size
+        extra = [self._swa_transfer(host_indices=swa_slots, keys=hashes[len(hashes) - n :])]
+        op_id = self.controller.write_storage(kv_slots, list(tokens), hash_value=hashes, extra_pools=extra)
+        op = self.controller.ack_backup_queue.get(timeout=30)
+        assert op.id == op_id
+        return int(op.completed_tokens), int(op.pool_storage_result.extra_pool_hit_pages.get("swa", 0))
+
+    def prefetch(self, tokens: Sequence[int], timeout_s: float = 30) -> Prefetched:
+        """SGLang's prefetch of ``tokens`` with the ``swa`` window (``CacheTransferPhase.PREFETCH``:
+        placeholder keys, one a window page), the hit query, host slots for the hit in both pools
+        (the ``swa`` staging as ``SWAComponent.prepare_prefetch`` sizes it), the transfers and acks."""
+        from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+        ctl, ps = self.controller, self.kv.page_size
+        swa = self._swa_transfer(keys=["__placeholder__"] * self.window)
+        op = ctl.prefetch(CacheRequestHandle(f"req-{id(tokens)}", 0), list(tokens), None, None, extra_pools=[swa])
+        op = ctl.prefetch_hit_queue.get(timeout=timeout_s)
+        hit = int(op.storage_hit_count)
+        if hit == 0:
+            return Prefetched(hit=0, restorable=op.pool_storage_result.restorable_prefix_pages)
+        op.host_indices = self.kv.alloc(hit)
+        swa.host_indices = self.swa.alloc(min(self.window, hit // ps) * ps)
+        ctl.prefetch_buffer.put(op)
+        loaded, swa_pages = 0, None
+        while True:
+            try:
+                ack = ctl.ack_prefetch_queue.get(timeout=timeout_s)
+            except queue.Empty:
+                raise AssertionError("no prefetch ack from SGLang's controller") from None
+            if ack.completed_tokens is not None:
+                loaded = max(loaded, int(ack.completed_tokens))
+            if ack.pool_hits is not None:
+                swa_pages = int(ack.pool_hits.get("swa", 0))
+            if ack.completed_req:
+                return Prefetched(
+                    hit, op.pool_storage_result.restorable_prefix_pages, op.host_indices, loaded, swa.host_indices,
+                    swa.keys, swa_pages,
+                )
+
+    def close(self) -> None:
+        self.controller.detach_storage_backend()
+
+
+@dataclass
+class Prefetched:
+    """What one prefetch through ``HybridRig`` got: the hit (tokens), the restorable prefix lengths
+    (pages) the backend answered, the KV slots and tokens loaded, the ``swa`` slots, the page hashes
+    SGLang read into them and how many of those pages it counted as read (``None``: not asked)."""
+
+    hit: int
+    restorable: list[int] | None
+    kv_slots: torch.Tensor | None = None
+    loaded: int = 0
+    swa_slots: torch.Tensor | None = None
+    swa_keys: list[str] | None = None
+    swa_pages: int | None = None

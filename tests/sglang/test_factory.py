@@ -129,16 +129,16 @@ def test_sglangs_controller_loads_it_by_name(tmp_path: Path) -> None:
 
 
 def test_a_hybrid_models_other_host_pools_are_refused_and_the_tiers_closed(tmp_path: Path) -> None:
-    """SGLang's hybrid controller registers every host pool with ``register_mem_host_pool_v2``; only
-    ``kv`` is served, so a sliding-window (or Mamba) pool fails the attach with the reason, not as
-    silent misses and lost backups later."""
+    """SGLang's hybrid controller registers every host pool with ``register_mem_host_pool_v2``; ``kv``
+    and ``swa`` are served (``test_swa.py``), so a Mamba (or indexer) pool fails the attach with the
+    reason, not as silent misses and lost backups later."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
 
     _, host = pools("page_first")
     made = backend(host, {"interface_v1": 1, "storage": [{"kind": "file", "path": str(tmp_path)}]})
     made.register_mem_host_pool_v2(host, PoolName.KV)  # the anchor pool, as the hybrid controller passes it
     assert "open" in repr(made)
-    for name in (PoolName.SWA, PoolName.MAMBA):
+    for name in (PoolName.MAMBA, PoolName.INDEXER):
         with pytest.raises(UnsupportedModelError, match=f"host pool '{name.value}'.*docs/models.md"):
             made.register_mem_host_pool_v2(host, name)
         assert "closed" in repr(made)

@@ -18,6 +18,12 @@ The two store the same bytes under the same keys: a page written by one is read 
 Keys: SGLang's page hashes (identical on every rank) keyed by this rank's namespace digest
 (``keys.external_page_keys``), which carries the model, geometry, page order, tenant and the rank's
 slice of heads and layers. Nothing here raises into SGLang's threads: a failure is a miss, counted.
+
+SGLang's hybrid controller (sliding-window models) adds the v2 interface: ``register_mem_host_pool_v2``
+for each host pool, and ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2`` per pool. The
+``kv`` and ``swa`` pools are served (``pools.py``: the ``swa`` pages through the same tiers, in a
+namespace of their own); any other pool (Mamba state, sparse indexers, drafts) is refused when SGLang
+registers it, which fails its attach with the reason.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolName, PoolTransfer, PoolTransferResult
 
 from ...config import HiCacheConfig
 from ...containers import namespace_from_config, page_codec_from_config, storage_tier_from_entry
@@ -41,6 +47,7 @@ from .chain import StorageChain
 from .host_pages import FlatPages, HostPages, pages_of
 from .loop import PrivateLoop
 from .metrics import MetricsEndpoint, sglang_storage_metrics
+from .pools import SlidingPool, restorable
 from .settings import backend_settings, cache_config_for, check_model_name, user_config
 
 __all__ = ["HiCacheStorageBackend"]
@@ -63,6 +70,7 @@ class HiCacheStorageBackend(HiCacheStorage):
         self._chain: StorageChain | None = None
         self._loop: PrivateLoop | None = None
         self._metrics: MetricsEndpoint | None = None
+        self.pools: dict[str, SlidingPool] = {}  # the v2 sidecar pools registered (``swa``)
         self._seed = b""
         self._warn = RateLimited(log)
         self.failed_calls = 0  # calls answered as misses because of an error outside the tiers
@@ -111,18 +119,31 @@ class HiCacheStorageBackend(HiCacheStorage):
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """SGLang's hybrid controller registers each host pool of a hybrid model here (``kv``, and
-        ``swa``, ``mamba``, ``indexer``, ...). Only the KV pool is served: another pool's pages would
-        go through ``batch_*_v2``, which this backend does not implement, and SGLang would then lose
-        the KV pages of every backup too (it writes the other pools first). So such a model is
-        refused here, which fails SGLang's attach with the reason, and the tiers are closed."""
-        name = str(getattr(host_pool_name, "value", host_pool_name))
-        if name != "kv":
+        """SGLang's hybrid controller registers each host pool of a hybrid model here, ``kv`` (the
+        anchor, already bound) and ``swa``, ``mamba``, ``indexer``, .... ``kv`` and ``swa`` are
+        served (``pools.py``); any other pool is refused, which fails SGLang's attach with the
+        reason, and the tiers are closed: left as they were, SGLang would lose every storage hit of
+        such a model and, since a backup writes the other pools first, its KV pages too."""
+        name = _pool_name(host_pool_name)
+        if name == "swa":
+            if self._chain is None or self._pages is None or self.config is None or name in self.pools:
+                why = "twice" if name in self.pools else "before the KV pool (register_mem_pool_host)"
+                raise RuntimeError(f"hicache's SGLang backend: host pool {name!r} registered {why}")
+            try:
+                pool = SlidingPool.over(
+                    name, host_pool, kv=self._pages, kv_chain=self._chain, attention=self.config.model.attention
+                )
+            except BaseException:
+                self.close()
+                raise
+            self.pools[name] = pool
+            log.info("hicache: SGLang host pool %r (%d layers) stored beside the KV pages", name, host_pool.layer_num)
+        elif name != "kv":
             self.close()
             raise UnsupportedModelError(
-                f"SGLang host pool {name!r} ({type(host_pool).__name__}): hicache's SGLang backend stores "
-                "full-attention and MLA KV pages only; the sliding-window, recurrent and indexer pools of "
-                "hybrid models are not supported yet (docs/models.md)"
+                f"SGLang host pool {name!r} ({type(host_pool).__name__}): hicache's SGLang backend stores the "
+                "full-attention, MLA and sliding-window (`swa`) pools only; recurrent (Mamba), indexer and draft "
+                "pools of hybrid models are not supported (docs/models.md)"
             )
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
 
@@ -150,17 +171,21 @@ class HiCacheStorageBackend(HiCacheStorage):
 
     def _run(self, verb: str, fn: Any, *args: Any) -> int:
         """Run a chain call on the loop; any error is a counted miss (0), never an exception."""
+        return int(self._call(verb, 0, fn, *args))
+
+    def _call(self, verb: str, miss: Any, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the loop; any error is counted and answered as ``miss``."""
         if self._chain is None or self._loop is None:
-            return 0
+            return miss
         try:
-            return int(self._loop.call(fn, *args))
+            return self._loop.call(fn, *args)
         except Exception as exc:  # noqa: BLE001 - SGLang's threads must not die of it: a miss
             self.failed_calls += 1
             self._warn.warning(
                 verb, "hicache: %s failed (%s: %s); answered as a miss (%d such calls so far)",
                 verb, type(exc).__name__, exc, self.failed_calls,
             )
-            return 0
+            return miss
 
     # -- zero-copy path -------------------------------------------------------------------------
 
@@ -185,11 +210,14 @@ class HiCacheStorageBackend(HiCacheStorage):
         held = self._run("write", self._chain.store, self._keys(keys), pages, self._pages)
         return [True] * held + [False] * (len(keys) - held)
 
-    def _host_pages(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[int] | None:
-        if self._pages is None or not keys:
+    def _host_pages(
+        self, keys: Sequence[str], host_indices: torch.Tensor, pool: HostPages | None = None
+    ) -> list[int] | None:
+        pool = pool or self._pages
+        if pool is None or not keys:
             return None
-        pages = pages_of(host_indices, self._pages.page_size, len(keys))
-        if pages is None or (pages and max(pages) >= self._pages.num_pages):
+        pages = pages_of(host_indices, pool.page_size, len(keys))
+        if pages is None or (pages and max(pages) >= pool.num_pages):
             self.failed_calls += 1
             self._warn.warning(
                 "indices", "hicache: %d keys with host indices that are not %d whole pages of the pool; a miss",
@@ -197,6 +225,64 @@ class HiCacheStorageBackend(HiCacheStorage):
             )
             return None
         return pages
+
+    # -- v2: per-pool calls of SGLang's hybrid controller (``pools.py``) --------------------------
+
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None, extra_info: Any = None
+    ) -> PoolTransferResult:
+        """The prefix lengths every pool can restore: all KV pages before the end, and each
+        sidecar pool's pages as its hit policy asks (``TRAILING_PAGES``: the last ``len(keys)``)."""
+        if not keys or self._chain is None:
+            return PoolTransferResult.empty()
+        wanted = []
+        for t in pool_transfers or ():
+            name, policy = _pool_name(t.name), str(getattr(t.hit_policy, "value", t.hit_policy))
+            pool = self.pools.get(name)
+            if pool is None or policy not in ("trailing_pages", "all_pages") or t.indices_from_pool is not None:
+                self.failed_calls += 1
+                self._warn.warning(name, "hicache: no %s pages for pool %r; no hit", policy, name)
+                return PoolTransferResult(0, {}, [])
+            wanted.append((t.name, pool, max(1, len(t.keys or ())) if policy == "trailing_pages" else None))
+        got = self._call("exists", None, restorable, self._chain, self._keys(keys), wanted)
+        if got is None:
+            return PoolTransferResult(0, {}, [])
+        kv, ends = got
+        usable = set(range(1, kv + 1))
+        for pool_ends in ends.values():
+            usable &= set(pool_ends)
+        hits = {PoolName.KV: kv} if kv else {}
+        hits.update({name: max(e) for name, e in ends.items() if e})
+        return PoolTransferResult(max(usable, default=0), hits, sorted(usable))
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each transfer's pages read into its pool's host slots; a pool's list is True up to the
+        first page missing or failing verification."""
+        return self._pool_io("read", transfers)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Each transfer's pages written from its pool's host slots, True up to the first not stored."""
+        return self._pool_io("write", transfers)
+
+    def _pool_io(self, verb: str, transfers: Sequence[PoolTransfer]) -> dict[Any, list[bool]]:
+        out: dict[Any, list[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or ())
+            name = _pool_name(t.name)
+            target = (self._chain, self._pages) if name == "kv" else (
+                (self.pools[name].chain, self.pools[name].pages) if name in self.pools else None
+            )
+            pages = None if target is None or target[0] is None else self._host_pages(keys, t.host_indices, target[1])
+            if target is None and keys:
+                self.failed_calls += 1
+                self._warn.warning(name, "hicache: %s for unregistered pool %r; a miss", verb, name)
+            if not pages:
+                out[t.name] = [False] * len(keys)
+                continue
+            chain, source = target  # type: ignore[misc]
+            n = self._run(verb, chain.fetch if verb == "read" else chain.store, self._keys(keys), pages, source)
+            out[t.name] = [True] * n + [False] * (len(keys) - n)
+        return out
 
     # -- copy path ------------------------------------------------------------------------------
 
@@ -249,6 +335,8 @@ class HiCacheStorageBackend(HiCacheStorage):
         log.warning("hicache: clearing storage on SGLang's request (clear: %s)", scope)
         try:
             done = self._loop.call(self._chain.clear, scope)
+            for pool in self.pools.values():  # their pages: a namespace of their own on the same tiers
+                done += self._loop.call(pool.chain.clear, scope)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot clear says so in the log
             log.warning("hicache: clear failed: %r", exc)
             return
@@ -275,6 +363,9 @@ class HiCacheStorageBackend(HiCacheStorage):
         chain, loop, metrics = self._chain, self._loop, self._metrics
         self._chain = self._loop = self._metrics = None
         _open_backends.discard(self)
+        for pool in self.pools.values():
+            pool.close()
+        self.pools = {}
         if metrics is not None:
             metrics.close()
         if loop is not None:
@@ -290,6 +381,11 @@ class HiCacheStorageBackend(HiCacheStorage):
         ns = self.namespace
         where = "unbound" if ns is None else f"tp {ns.tp_rank}/{ns.tp_size} pp {ns.pp_rank}/{ns.pp_size}"
         return f"<HiCacheStorageBackend {where} {'open' if self._chain else 'closed'}>"
+
+
+def _pool_name(name: Any) -> str:
+    """SGLang's ``PoolName`` (a str enum) or a plain string, as its value."""
+    return str(getattr(name, "value", name))
 
 
 async def _drain(chain: StorageChain) -> Any:
