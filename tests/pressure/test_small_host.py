@@ -3,7 +3,9 @@
 
 Every page moves by runs: a backup copies a run to the host, writes it to storage, drops it from
 the host, then copies the next; device eviction spills a node's last pages first; a retrieve brings
-a prompt that only storage holds up run by run (prefetch to the host, load to the device). Checked:
+a prompt that only storage holds up run by run (prefetch to the host, load to the device). A store
+beside the burst's reads may find the rest of the device and host leased: it drops what it could
+not place, says so, and is stored again calmly (it then drops nothing). Checked:
 every page the policy promised is in storage, ``lost_pages == 0``, nothing leaked (pages, leases,
 pins), every read bit-exact, and a calm retrieve serves what its lookup found, in this cache and in
 a fresh one over the same files.
@@ -49,10 +51,19 @@ async def test_long_prompts_through_a_host_smaller_than_one_reach_storage_and_co
                              prefetch="wait_complete", prefetch_threshold_tokens=0)
     prompts = _prompts()
     stored: list[list[int]] = []
+    short: list[list[int]] = []  # stores that dropped pages, with room leased by the reads beside them
+    dropped = 0
 
-    async def store(tokens: list[int]) -> None:
+    async def store(tokens: list[int], *, calm: bool = False) -> None:
+        nonlocal dropped
         result = await cache.store(tokens, prefix_kv(tokens))
-        assert result.dropped_tokens == 0
+        assert result.stored_tokens + result.cached_tokens + result.dropped_tokens == len(tokens)
+        dropped += result.dropped_tokens // PAGE
+        if result.dropped_tokens:
+            # Beside a burst of reads a store gets the room not leased (placement.py), and says what
+            # it dropped; in a calm cache it never drops.
+            assert not calm, result
+            short.append(tokens)
         stored.append(tokens)
 
     async def read(tokens: list[int]) -> None:
@@ -69,7 +80,10 @@ async def test_long_prompts_through_a_host_smaller_than_one_reach_storage_and_co
                 for tokens in reads:
                     tg.start_soon(read, tokens)
         await store(prompts[6])
+        for tokens in short:  # what a burst dropped, stored again calmly: nothing is dropped now
+            await store(tokens, calm=True)
         await cache.wait_idle()
+        assert cache.stats().dropped_pages == dropped  # every page dropped was said, none silently
         assert_consistent(cache)
         seed = cache.controller.tree.seed
         keys = sorted({k for tokens in stored for k in page_keys(seed, tokens)})
