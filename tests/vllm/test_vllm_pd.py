@@ -23,6 +23,7 @@ import random
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,26 +100,30 @@ def _transfer(role: str, engine_id: str, valkey_port: int) -> dict[str, Any]:
     }
 
 
-def _server(name: str, role: str, valkey_port: int, tmp: Path) -> VllmServer:
+def _server(
+    name: str, role: str, valkey_port: int, tmp: Path, *, model: Path | None = None, kv_cache_bytes: int = 100 << 20
+) -> VllmServer:
+    """One ``vllm serve`` of ``model`` (SmolLM2 when not given) with the hicache connector in ``role``."""
     engine_id = f"hicache-pd-test-{name}-{os.getpid()}"
-    args = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(100 << 20),
+    args = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--enforce-eager", "--seed", "0", "--enable-prompt-tokens-details", "--shutdown-timeout", "30",
             "--disable-uvicorn-access-log", "--kv-transfer-config", json.dumps(_transfer(role, engine_id, valkey_port))]
     env = {"OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", "VLLM_SERVER_DEV_MODE": "1",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",  # the same on both servers (see docs/engines/vllm.md, "Cores")
            "HICACHE_VLLM_RUNTIME_DIR": os.environ["HICACHE_VLLM_RUNTIME_DIR"],
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
-    return VllmServer(name=name, model=str(smollm2_dir()), args=args, log=tmp / f"{name}.log", env=env,
+    return VllmServer(name=name, model=str(model or smollm2_dir()), args=args, log=tmp / f"{name}.log", env=env,
                       engine_id=engine_id, start_timeout_s=300)
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory: pytest.TempPathFactory, valkey: Any) -> Iterator[PD]:
-    tmp = tmp_path_factory.mktemp("pd")
+@contextmanager
+def pd_servers(tmp: Path, valkey_port: int, prompts: dict[str, list[int]], **server: Any) -> Iterator[PD]:
+    """A prefill and a decode server of ``server``'s model, the proxy in front, each prompt's
+    greedy text from the decode server alone (its prefix cache reset after)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HICACHE_VLLM_RUNTIME_DIR", str(tmp / "run"))
-        prefill = _server("prefill", "kv_both", valkey.port, tmp)
-        decode = _server("decode", "kv_consumer", valkey.port, tmp)
+        prefill = _server("prefill", "kv_both", valkey_port, tmp, **server)
+        decode = _server("decode", "kv_consumer", valkey_port, tmp, **server)
         proxy = ProxyProcess([], [], tmp / "proxy.log")
         try:
             prefill.launch()
@@ -127,8 +132,8 @@ def pd(tmp_path_factory: pytest.TempPathFactory, valkey: Any) -> Iterator[PD]:
             decode.wait_ready()
             proxy.prefill, proxy.decode = [prefill.url], [decode.url]
             proxy.start()
-            state = PD(prefill, decode, proxy, valkey.port, {})
-            for name, prompt in PROMPTS.items():  # one server alone: the decode server, before any hand-off
+            state = PD(prefill, decode, proxy, valkey_port, {})
+            for name, prompt in prompts.items():  # one server alone: the decode server, before any hand-off
                 state.refs[name] = decode.post("/v1/completions", state.body(prompt))["choices"][0]["text"]
             assert decode.post("/reset_prefix_cache")["success"]  # it computes them again from here
             yield state
@@ -136,6 +141,12 @@ def pd(tmp_path_factory: pytest.TempPathFactory, valkey: Any) -> Iterator[PD]:
             proxy.stop()
             decode.stop()
             prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory, valkey: Any) -> Iterator[PD]:
+    with pd_servers(tmp_path_factory.mktemp("pd"), valkey.port, PROMPTS) as state:
+        yield state
 
 
 def _by_source(server: VllmServer) -> dict[str, float]:
@@ -156,18 +167,20 @@ def _stream_text(url: str, body: dict[str, Any]) -> str:
     return "".join(text)
 
 
-def test_through_the_proxy_outputs_are_one_servers_and_the_decode_server_computes_one_token_a_prompt(pd: PD) -> None:
+def check_through_the_proxy(pd: PD, prompts: dict[str, list[int]], plain: list[str], streamed: str) -> None:
+    """``plain`` prompts and one ``streamed`` through the proxy: the outputs are one server's, and
+    the decode server computes the last token of each, the rest arrived from the prefill server."""
     before, received = _by_source(pd.decode), pd.stats(pd.decode)
-    for name in ("a", "b"):
+    for name in plain:
         answer = urllib.request.urlopen(urllib.request.Request(
-            pd.proxy.url + "/v1/completions", data=json.dumps(pd.body(PROMPTS[name])).encode(),
-            headers={"Content-Type": "application/json"}), timeout=120)
-        assert json.loads(answer.read())["choices"][0]["text"] == pd.refs[name]
-    assert _stream_text(pd.proxy.url, pd.body(PROMPTS["stream"])) == pd.refs["stream"]
+            pd.proxy.url + "/v1/completions", data=json.dumps(pd.body(prompts[name])).encode(),
+            headers={"Content-Type": "application/json"}), timeout=180)
+        assert json.loads(answer.read())["choices"][0]["text"] == pd.refs[name], name
+    assert _stream_text(pd.proxy.url, pd.body(prompts[streamed])) == pd.refs[streamed]
     after, now = _by_source(pd.decode), pd.stats(pd.decode)
-    names = ("a", "b", "stream")
+    names = [*plain, streamed]
     assert after["local_compute"] - before["local_compute"] == len(names)  # the last token of each prompt
-    arrived = sum(len(PROMPTS[n]) - 1 for n in names)
+    arrived = sum(len(prompts[n]) - 1 for n in names)
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == arrived
     assert now["pd_receives"] - received["pd_receives"] == len(names)
     assert now["pd_received_tokens"] - received["pd_received_tokens"] == arrived
@@ -175,6 +188,10 @@ def test_through_the_proxy_outputs_are_one_servers_and_the_decode_server_compute
     assert pd.proxy.health()["prefill_without_kv"] == 0
     sent = pd.stats(pd.prefill)
     assert sent["pd_sends"] >= len(names) and sent["pd_send_failures"] == 0
+
+
+def test_through_the_proxy_outputs_are_one_servers_and_the_decode_server_computes_one_token_a_prompt(pd: PD) -> None:
+    check_through_the_proxy(pd, PROMPTS, ["a", "b"], "stream")
 
 
 def test_the_shared_tier_flushed_between_prefill_and_decode_is_recomputed_with_the_same_output(pd: PD) -> None:
