@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,15 +164,10 @@ class Rig:
         op.host_indices = self.host.alloc(hit)
         ctl.prefetch_buffer.put(op)
         loaded = 0
-        while True:
-            try:
-                ack = ctl.ack_prefetch_queue.get(timeout=timeout_s)
-            except queue.Empty:
-                raise AssertionError("no prefetch ack from SGLang's controller") from None
+        for ack in prefetch_acks(ctl, timeout_s):
             if ack.completed_tokens is not None:
                 loaded = max(loaded, int(ack.completed_tokens))
-            if ack.completed_req:
-                return op.host_indices, hit, loaded
+        return op.host_indices, hit, loaded
 
     def close(self) -> None:
         self.controller.detach_storage_backend()
@@ -270,23 +265,30 @@ class HybridRig:
         swa.host_indices = self.swa.alloc(min(self.window, hit // ps) * ps)
         ctl.prefetch_buffer.put(op)
         loaded, swa_pages = 0, None
-        while True:
-            try:
-                ack = ctl.ack_prefetch_queue.get(timeout=timeout_s)
-            except queue.Empty:
-                raise AssertionError("no prefetch ack from SGLang's controller") from None
+        for ack in prefetch_acks(ctl, timeout_s):
             if ack.completed_tokens is not None:
                 loaded = max(loaded, int(ack.completed_tokens))
             if ack.pool_hits is not None:
                 swa_pages = int(ack.pool_hits.get("swa", 0))
-            if ack.completed_req:
-                return Prefetched(
-                    hit, op.pool_storage_result.restorable_prefix_pages, op.host_indices, loaded, swa.host_indices,
-                    swa.keys, swa_pages,
-                )
+        return Prefetched(
+            hit, op.pool_storage_result.restorable_prefix_pages, op.host_indices, loaded, swa.host_indices,
+            swa.keys, swa_pages,
+        )
 
     def close(self) -> None:
         self.controller.detach_storage_backend()
+
+
+def prefetch_acks(ctl: Any, timeout_s: float) -> Iterator[Any]:
+    """The acks of SGLang's controller for one prefetch, its last (``completed_req``) included."""
+    while True:
+        try:
+            ack = ctl.ack_prefetch_queue.get(timeout=timeout_s)
+        except queue.Empty:
+            raise AssertionError("no prefetch ack from SGLang's controller") from None
+        yield ack
+        if ack.completed_req:
+            return
 
 
 @dataclass
