@@ -88,9 +88,13 @@ def _bos_first(tokenizer_json: Path) -> None:
 
     if not tokenizer_json.exists():
         return
+    seen = (str(tokenizer_json), tokenizer_json.stat().st_mtime_ns)
+    if seen in _BOS_CHECKED:  # parsing the 33 MB file takes over a second: once per process and version
+        return
     spec = json.loads(tokenizer_json.read_text())
     processor = spec.get("post_processor") or {}
     if "<bos>" in (processor.get("special_tokens") or {}):
+        _BOS_CHECKED.add(seen)
         return
     bos = next((t["id"] for t in spec.get("added_tokens", ()) if t.get("content") == "<bos>"), None)
     if bos is None:
@@ -114,7 +118,11 @@ def _bos_first(tokenizer_json: Path) -> None:
         os.replace(tmp, tokenizer_json)
     finally:
         tmp.unlink(missing_ok=True)
+    _BOS_CHECKED.add((str(tokenizer_json), tokenizer_json.stat().st_mtime_ns))
     log.info("%s: its tokenizer now starts each text with <bos> (id %d), as the GGUF says", tokenizer_json.parent, bos)
+
+
+_BOS_CHECKED: set[tuple[str, int]] = set()  # tokenizer files found (or made) right, by path and mtime
 
 
 def _gemma3_gguf() -> Path:
