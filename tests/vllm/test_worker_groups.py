@@ -83,6 +83,7 @@ def _load(tmp_path: Path, blocks: tuple[list[int], ...]) -> tuple[Any, set[str],
     side.bind(HiCacheMetadata(async_loads=[LoadSpec("b", TOKENS, 0, 6, blocks)]))
     side.end_step()
     _, received, failed = side.take_finished(set())
+    side.portal.call(side.service.settle)  # a step's loads are counted on the loop, after vLLM moves on
     return side, received, failed, _kv(side).clone()
 
 
