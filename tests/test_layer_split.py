@@ -26,6 +26,9 @@ WINDOW = 24
 LAYERS = [f"sliding:{WINDOW}"] * 5 + ["full"]
 PAGE = 4
 WINDOW_PAGES = 7  # ceil(23 / 4) + 1: one page of slack for an engine that recomputes a prompt's last page
+# No window slack (the pages before a prefix end's window, kept for a branch a little before it)
+# but where a test asks for it: every count below is the window's.
+POLICIES = {"prefetch": "wait_complete", "prefetch_threshold_tokens": PAGE, "window_slack_tokens": 0}
 
 
 def hybrid_config(folder: Path, layout: str = "page_first", **storage: Any) -> HiCacheConfig:
@@ -33,7 +36,7 @@ def hybrid_config(folder: Path, layout: str = "page_first", **storage: Any) -> H
         device_pages=256, host_pages=256,
         model={"num_layers": 6, "layers": LAYERS},
         tiers={"host": {"layout": layout}, "storage": [{"kind": "file", "path": str(folder)} | storage]},
-        policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": PAGE},
+        policies=POLICIES,
     )
 
 
@@ -157,7 +160,7 @@ async def test_a_tenant_key_and_a_codec_chain_seal_each_part(tmp_path: Path) -> 
     config = make_config(
         device_pages=256, host_pages=256, tenant_key="k" * 32, model={"num_layers": 6, "layers": LAYERS},
         tiers={"storage": [{"kind": "file", "path": str(tmp_path / "pages"), "codec": ["lossless"]}]},
-        policies={"prefetch": "wait_complete", "prefetch_threshold_tokens": PAGE},
+        policies=POLICIES,
     )
     tokens, kv = make_tokens(160, seed=6), make_kv(config, 160, seed=6)
     async with HiCache.from_config(config) as cache:
@@ -207,7 +210,7 @@ async def test_a_store_placed_on_two_tiers_keeps_one_window(tmp_path: Path) -> N
     host, as two nodes, and only the end of the second is a prefix end (one window, not two)."""
     config = make_config(
         device_pages=100, host_pages=256, model={"num_layers": 6, "layers": LAYERS},
-        tiers={"storage": [{"kind": "file", "path": str(tmp_path / "pages")}]},
+        tiers={"storage": [{"kind": "file", "path": str(tmp_path / "pages")}]}, policies=POLICIES,
     )
     tokens, kv = make_tokens(1024, seed=8), make_kv(config, 1024, seed=8)
     async with HiCache.from_config(config) as cache:
@@ -216,3 +219,103 @@ async def test_a_store_placed_on_two_tiers_keeps_one_window(tmp_path: Path) -> N
         await cache.wait_idle()
     layer = config.page_bytes // 6
     assert stored_bytes(tmp_path / "pages") == 256 * (layer + 128) + WINDOW_PAGES * (5 * layer + 128)
+
+
+def sliding_part_count(folder: Path) -> int:
+    """Sliding parts in ``folder``: the larger of the two sizes (5 layers against 1)."""
+    sizes = [f.stat().st_size for f in folder.rglob("*.kv")]
+    return sizes.count(max(sizes))
+
+
+async def test_questions_on_a_stored_document_make_its_end_a_hit_from_storage(tmp_path: Path) -> None:
+    """Questions on one document: the first stored document + question, so the tier kept the
+    window before the question's end; the document's end becomes a hit end when a second question
+    branches off there, whether this process still indexes the document or not (a fresh one only
+    sees the tier's full parts end there), and only the two missing pages are written."""
+    config = hybrid_config(tmp_path / "pages")
+    doc = make_tokens(200, seed=20)
+    asks = [doc + make_tokens(8, seed=21 + q) for q in range(4)]
+    kvs = [make_kv(config, 208, seed=30 + q) for q in range(4)]
+    for kv in kvs[1:]:
+        kv[:, :, :200] = kvs[0][:, :, :200]  # the document's KV is the same under every question
+    async with HiCache.from_config(config) as cache:
+        await cache.store(asks[0], kvs[0])
+        await cache.wait_idle()
+    assert sliding_part_count(tmp_path / "pages") == WINDOW_PAGES  # pages 45-51: not doc's 43-44
+    async with HiCache.from_config(config) as cache:  # a fresh process: the tier's full parts end at 50
+        assert (await cache.lookup(asks[1], prefetch=False)).tokens == 0
+        await cache.store(asks[1], kvs[1])
+        await cache.wait_idle()
+    # The document's missing window pages (43-44) and question 1's own two pages.
+    assert sliding_part_count(tmp_path / "pages") == WINDOW_PAGES + 2 + 2
+    async with HiCache.from_config(config) as cache:
+        assert (await cache.lookup(asks[2], prefetch=False)).tokens == 200
+        got, restored = await retrieved_kv(cache, asks[2])
+        assert got == 200
+        assert torch.equal(restored[:, 5], kvs[0][:, 5, :200])
+        assert torch.equal(restored[:, :5, 200 - WINDOW:], kvs[0][:, :5, 200 - WINDOW:200])
+        assert_consistent(cache)
+
+
+async def test_a_question_branching_off_an_indexed_document_writes_the_documents_window(tmp_path: Path) -> None:
+    """The same in one process: the second question splits the indexed document at its end, a
+    branch point whose window the first question's store did not write whole."""
+    config = hybrid_config(tmp_path / "pages")
+    doc = make_tokens(200, seed=40)
+    asks = [doc + make_tokens(8, seed=41 + q) for q in range(3)]
+    kv = make_kv(config, 208, seed=44)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(asks[0], kv)
+        await cache.wait_idle()
+        await cache.store(asks[1], kv)
+        await cache.wait_idle()
+    assert sliding_part_count(tmp_path / "pages") == WINDOW_PAGES + 2 + 2
+    async with HiCache.from_config(config) as cache:
+        got, restored = await retrieved_kv(cache, asks[2])
+        assert got == 200
+        assert torch.equal(restored[:, :5, 200 - WINDOW:], kv[:, :5, 200 - WINDOW:200])
+
+
+async def test_pages_held_thin_are_never_written_as_sliding_parts(tmp_path: Path) -> None:
+    """A prompt read back thin, then a branch off its thin part stored: the branch's window
+    reaches into thin pages, whose sliding layers are zeros in memory. They are not written, so
+    a fresh process finds the branch's end no hit rather than zeros served as KV."""
+    config = hybrid_config(tmp_path / "pages")
+    tokens, kv = make_tokens(400, seed=50), make_kv(config, 400, seed=50)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    branch = tokens[:200] + make_tokens(8, seed=51)
+    branch_kv = torch.cat([kv[:, :, :200], make_kv(config, 8, seed=52)], dim=2)
+    async with HiCache.from_config(config) as cache:
+        got, _ = await retrieved_kv(cache, tokens)  # pages 0-92 come back thin
+        assert got == 400
+        await cache.store(branch, branch_kv)  # the index holds pages 0-49 (thin): only 50-51 are new
+        await cache.wait_idle()
+    async with HiCache.from_config(config) as cache:
+        got, restored = await retrieved_kv(cache, branch)
+        assert got < 200
+        assert torch.equal(restored[:, 5], branch_kv[:, 5, :got])
+        start = max(0, got - WINDOW)
+        assert torch.equal(restored[:, :5, start:got], branch_kv[:, :5, start:got])
+
+
+async def test_window_slack_makes_a_branch_just_before_a_stored_end_a_hit_at_once(tmp_path: Path) -> None:
+    """``policies.window_slack_tokens``: the sliding layers of that many tokens more before each
+    end, so the second question on a stored document is a hit at the document's end already."""
+    config = make_config(
+        device_pages=256, host_pages=256, model={"num_layers": 6, "layers": LAYERS},
+        tiers={"storage": [{"kind": "file", "path": str(tmp_path / "pages")}]},
+        policies=POLICIES | {"window_slack_tokens": 2 * PAGE - 1},  # two pages: a question's
+    )
+    doc = make_tokens(200, seed=60)
+    kv = make_kv(config, 208, seed=60)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(doc + make_tokens(8, seed=61), kv)
+        await cache.wait_idle()
+    assert sliding_part_count(tmp_path / "pages") == WINDOW_PAGES + 2
+    async with HiCache.from_config(config) as cache:
+        got, restored = await retrieved_kv(cache, doc + make_tokens(8, seed=62))
+        assert got == 200
+        assert torch.equal(restored[:, :5, 200 - WINDOW:], kv[:, :5, 200 - WINDOW:200])
+        assert torch.equal(restored[:, 5], kv[:, 5, :200])

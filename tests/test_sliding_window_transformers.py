@@ -175,7 +175,8 @@ async def test_a_flipped_byte_in_a_sliding_layer_of_a_stored_page_shortens_the_h
         await cache.wait_idle()
     files = sorted(p for p in (tmp_path / "pages").rglob("*.kv") if p.is_file())
     pages = 200 // PAGE
-    window = config.model.layers.window_pages(PAGE)
+    # the window's pages before the prompt's end, and the slack's before them
+    window = config.model.layers.window_pages(PAGE) + -(-config.policies.window_slack_tokens // PAGE)
     sizes = sorted({f.stat().st_size for f in files})
     assert len(files) == pages + window and len(sizes) == 2  # every full part, the window's sliding parts
     sliding_parts = [f for f in files if f.stat().st_size == sizes[1]]  # 4 sliding layers, 2 full

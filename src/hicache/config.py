@@ -465,6 +465,10 @@ class PoliciesConfig(BaseModel):
     prefetch: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
     prefetch_threshold_tokens: _Int = Field(default=256, ge=0)
     prefetch_timeout: PrefetchTimeoutConfig = Field(default_factory=PrefetchTimeoutConfig)
+    #: A sliding-window hybrid's layer-split storage tiers keep the sliding layers of the window
+    #: before each prefix end and of this many tokens more, so a prompt that branches off that
+    #: close before the end of a stored one (a second question on a document) is a hit there.
+    window_slack_tokens: _Int = Field(default=128, ge=0)
 
 
 class IOConfig(BaseModel):

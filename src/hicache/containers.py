@@ -180,6 +180,11 @@ def window_pages_from_config(config: HiCacheConfig) -> int:
     return kinds.window_pages(config.page_size) if kinds.splits else 0
 
 
+def window_slack_pages_from_config(config: HiCacheConfig) -> int:
+    """Pages before a prefix end, past its window, whose sliding layers storage keeps too."""
+    return -(-config.policies.window_slack_tokens // config.page_size)
+
+
 def storage_tiers_from_config(config: HiCacheConfig, codec: PageCodec, host: HostPool) -> list[StorageTier]:
     """One ``StorageTier`` per ``tiers.storage`` entry, in order; backends are built, not opened."""
     return [storage_tier_from_entry(entry, config=config, codec=codec, host=host) for entry in config.tiers.storage]
@@ -308,6 +313,7 @@ class Container(containers.DeclarativeContainer):
         storage_queue=config.provided.controller.storage_queue,
         max_prefetches=config.provided.controller.max_prefetches,
         alloc_wait_s=config.provided.controller.alloc_wait_s,
+        window_slack_pages=providers.Callable(window_slack_pages_from_config, config),
         writes_storage=namespace.provided.writes_storage,
     )
 

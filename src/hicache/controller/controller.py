@@ -92,6 +92,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         max_prefetches: int = 4,
         alloc_wait_s: float = 30.0,
         writes_storage: bool = True,
+        window_slack_pages: int = 0,
     ) -> None:
         self.tree = tree
         self.device = device
@@ -113,7 +114,9 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.storage_queue = storage_queue
         self.max_prefetches = max_prefetches
         self.alloc_wait_s = alloc_wait_s
-        self.storage_writer = StorageWriter(tree, self.storage, self.counters, device.geometry.page_bytes)
+        self.storage_writer = StorageWriter(
+            tree, self.storage, self.counters, device.geometry.page_bytes, slack_pages=window_slack_pages
+        )
         # Reads the live list: storage tiers come and go (attach_storage / detach_storage).
         # writes_storage=False: a rank whose shared pages another rank writes (Namespace.writes_storage).
         self.residency = Residency(

@@ -36,15 +36,18 @@ class StorageJob:
     """Write ``node``'s host pages to the storage tiers; ``node.storing`` keeps them until done.
 
     ``sliding_tail``: how many of the last pages (of ``node`` and up) a layer-split tier keeps
-    the sliding layers of: the window before a hit's possible end at or just below ``node``;
+    the sliding layers of: the window (and slack) before a hit's possible end at or just below ``node``;
     ``window``: the ancestors' pages among them (each ancestor's whole keys when the job began,
-    and those pages' keys and host pages), whose ``storing`` keeps them as well.
+    and those pages' keys and host pages), whose ``storing`` keeps them as well. ``thin``: the
+    node's leading pages held thin when the job began (their sliding layers are zeros: never
+    written as a sliding part).
     """
 
     node: TreeNode
     keys: list[bytes]
     host_pages: list[int]
     sliding_tail: int = 0
+    thin: int = 0
     window: list[tuple[TreeNode, list[bytes], list[bytes], list[int]]] = field(default_factory=list)
 
     @property

@@ -28,8 +28,14 @@ __all__ = ["StorageWriter"]
 
 
 class StorageWriter:
-    def __init__(self, tree: HiRadixTree, tiers: list[StorageTier], counters: Counters, page_bytes: int) -> None:
+    def __init__(
+        self, tree: HiRadixTree, tiers: list[StorageTier], counters: Counters, page_bytes: int, *,
+        slack_pages: int = 0,
+    ) -> None:
         self.tree = tree
+        #: The pages before a hit's end whose sliding layers a layer-split tier keeps: the window,
+        #: and ``slack_pages`` more for ends a little before it (``policies.window_slack_tokens``).
+        self.tail_pages = tree.window_pages + slack_pages if tree.window_pages else 0
         self.tiers = tiers
         self.counters = counters
         self.page_bytes = page_bytes
@@ -49,33 +55,44 @@ class StorageWriter:
         node.writing = True
         node.storing += 1
         assert node.host is not None
-        job = StorageJob(node, list(node.keys), list(node.host), sliding_tail=self._sliding_tail(node))
+        job = StorageJob(
+            node, list(node.keys), list(node.host), sliding_tail=self._sliding_tail(node), thin=node.thin
+        )
         # A window longer than the node: the end needs the sliding layers of its ancestors' last
-        # pages too (a layer-split tier may have written them thin). Their host pages are read
-        # as this node's are: ``storing`` keeps them.
+        # pages too (a layer-split tier may have written them thin). So does the parent's end when
+        # it is a branch point (this node branched off there, after the parent's own window was
+        # written for an end further down). Their host pages are read as this node's are:
+        # ``storing`` keeps them. A thin page ends the walk: it has no sliding layers to write.
         missing = job.sliding_tail - node.num_pages
-        cur = node.parent
+        parent = node.parent
+        if self.tail_pages and parent is not None and parent.parent is not None and len(parent.children) > 1:
+            missing = max(missing, self.tail_pages)
+        cur = parent
         while missing > 0 and cur is not None and cur.parent is not None and cur.host is not None:
-            take = min(missing, cur.num_pages)
-            keys = cur.keys
-            job.window.append((cur, keys, keys[-take:], list(cur.host)[-take:]))
-            cur.storing += 1
+            take = min(missing, cur.num_pages - cur.thin)
+            if take > 0:
+                keys = cur.keys
+                job.window.append((cur, keys, keys[-take:], list(cur.host)[-take:]))
+                cur.storing += 1
+            if take < min(missing, cur.num_pages):
+                break
             missing -= take
             cur = cur.parent
         return job
 
     def _sliding_tail(self, node: TreeNode) -> int:
-        """The last pages of ``node`` (and its ancestors) in the window of the nearest possible hit
-        end at or below it: a leaf (a prompt ended there) or a branch point. A node with one child
-        (a store placed on two tiers, a prefill stored in chunks) is no such end itself."""
-        window = self.tree.window_pages
+        """The last pages of ``node`` (and its ancestors) in the window and slack (``tail_pages``)
+        of the nearest possible hit end at or below it: a leaf (a prompt ended there) or a branch
+        point. A node with one child (a store placed on two tiers, a prefill stored in chunks) is
+        no such end itself."""
+        tail = self.tail_pages
         below, cur = 0, node
-        while window and len(cur.children) == 1:
+        while tail and len(cur.children) == 1:
             cur = next(iter(cur.children.values()))
             below += cur.num_pages
-            if below >= window:
+            if below >= tail:
                 return 0
-        return max(0, window - below)
+        return max(0, tail - below)
 
     def finish(self, job: StorageJob, stored: bool | None) -> None:
         """End the job: ``True`` written, ``False`` the write failed, ``None`` it was cancelled
@@ -107,18 +124,21 @@ class StorageWriter:
                 pages: list[int] = []
                 owner: list[int] = []
                 sliding: list[bool] = []  # a layer-split tier: the pages whose sliding layers it keeps
+                windows = 0
                 for j, job in enumerate(jobs):
-                    have = await tier.exists(job.keys)
+                    if tier.window_pages:
+                        have, window_from, more = await self._sliding_plan(tier, job)
+                        windows += more
+                    else:
+                        have, window_from = await tier.exists(job.keys), len(job.keys)
                     tier.skipped_pages += have
                     keys += job.keys[have:]
                     pages += job.host_pages[have:]
                     owner += [j] * (len(job.keys) - have)
-                    # A node ends where a prompt ended or another branched off: a hit may end there.
-                    window_from = len(job.keys) - job.sliding_tail
                     sliding += [i >= window_from for i in range(have, len(job.keys))]
                 if tier.window_pages:
-                    # Also when every page of the jobs is stored: ``exists`` saw their window only.
-                    windows = await self._write_windows(tier, jobs)
+                    # The ancestors' windows (``prepare``), also when every page of the jobs is stored.
+                    windows += await self._write_windows(tier, jobs)
                     self.counters.bytes_moved["host_to_storage"] += tier.payload_bytes(0, windows)  # type: ignore[attr-defined]
                 if not keys:
                     continue
@@ -141,6 +161,26 @@ class StorageWriter:
         if all(tier.detached for tier in tiers):
             return [None] * len(jobs)
         return ok
+
+    async def _sliding_plan(self, tier: StorageTier, job: StorageJob) -> tuple[int, int, int]:
+        """For a layer-split tier: how many of the job's pages it holds the full parts of from the
+        start (not written again), the first page from which the pages written keep their sliding
+        parts, and how many sliding parts were written now for pages it already held.
+
+        A hit may end where the job's node ends (its ``sliding_tail``) and where the tier's stored
+        prefix of the job's keys stops: a prompt stored before went on with other tokens there, so
+        a later one may branch off at that point too, and its window may be missing (the tier
+        kept the window of the earlier prompt's end only). Thin pages keep no sliding part."""
+        n = len(job.keys)
+        full = await tier.full_parts(job.keys)  # type: ignore[attr-defined]
+        flag_from = max(n - job.sliding_tail, job.thin)
+        lo = flag_from
+        if 0 < full < n:
+            lo = min(lo, max(full - self.tail_pages, job.thin))
+        written = 0
+        if lo < full and not tier.detached:
+            written = await tier.store_sliding(job.keys[lo:full], job.host_pages[lo:full])  # type: ignore[attr-defined]
+        return full, flag_from, written
 
     @staticmethod
     async def _write_windows(tier: StorageTier, jobs: list[StorageJob]) -> int:

@@ -150,10 +150,14 @@ class LayerSplitTier(_PartTier):
         self.sliding_part._pieces = None
         await super().__aexit__(*exc_info)
 
+    async def full_parts(self, keys: Sequence[bytes]) -> int:
+        """Consecutive pages of ``keys`` whose full parts are present from the start."""
+        return await super().exists(keys)
+
     async def exists(self, keys: Sequence[bytes]) -> int:
         """Pages of ``keys`` that can be restored from the start: full parts present, and the
         sliding parts of the window before the answer's end."""
-        end = await super().exists(keys)
+        end = await self.full_parts(keys)
         while end > 0:
             low = max(0, end - self.window_pages)
             have = await self.sliding_part.exists(keys[low:end])
@@ -209,12 +213,21 @@ class LayerSplitTier(_PartTier):
         return n if m == len(chosen) else chosen[m]
 
     async def store_sliding(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
-        """Write the sliding parts of pages whose full parts are stored (the window of a later end),
-        from the first one missing; the sliding parts written."""
-        have = await self.sliding_part.exists(keys)
-        if have == len(keys):
+        """Write the sliding parts of pages whose full parts are stored (the window of a later end)
+        that are missing between those present at the start and those present at the end (a new
+        end before a stored one lacks the first pages of its window only); the parts written."""
+        n = len(keys)
+        first = await self.sliding_part.exists(keys)
+        if first == n:
             return 0
-        return await self.sliding_part.store(keys[have:], host_pages[have:])
+        lo, hi = first + 1, n  # the smallest ``hi`` whose suffix ``keys[hi:]`` is all present
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if await self.sliding_part.exists(keys[mid:]) == n - mid:
+                hi = mid
+            else:
+                lo = mid + 1
+        return await self.sliding_part.store(keys[first:hi], host_pages[first:hi])
 
     def payload_bytes(self, pages: int, sliding: int = 0) -> int:
         """KV bytes of ``pages`` full parts and ``sliding`` sliding parts (before codecs and headers)."""
