@@ -276,11 +276,18 @@ async def test_a_question_branching_off_an_indexed_document_writes_the_documents
         assert torch.equal(restored[:, :5, 200 - WINDOW:], kv[:, :5, 200 - WINDOW:200])
 
 
-async def test_pages_held_thin_are_never_written_as_sliding_parts(tmp_path: Path) -> None:
-    """A prompt read back thin, then a branch off its thin part stored: the branch's window
-    reaches into thin pages, whose sliding layers are zeros in memory. They are not written, so
-    a fresh process finds the branch's end no hit rather than zeros served as KV."""
-    config = hybrid_config(tmp_path / "pages")
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+@pytest.mark.parametrize("given_from", [0, 200])
+async def test_a_branch_off_pages_held_thin_is_a_hit_only_where_its_kv_was_given(
+    tmp_path: Path, given_from: int, layout: str
+) -> None:
+    """A prompt read back thin (its sliding layers zeros in memory before the window), then a
+    prompt that branches off inside it stored. Given the KV of the whole branch, the store fills
+    the thin pages in the window before the branch point: a hit in memory at once, and storage
+    is written that window (a fresh process hits it, exact). Given only the KV after the branch
+    point (``start``), nothing can be filled, and the thin pages' zeros are never written as
+    sliding parts: a fresh process finds no hit rather than zeros served as KV."""
+    config = hybrid_config(tmp_path / "pages", layout)
     tokens, kv = make_tokens(400, seed=50), make_kv(config, 400, seed=50)
     async with HiCache.from_config(config) as cache:
         await cache.store(tokens, kv)
@@ -290,11 +297,14 @@ async def test_pages_held_thin_are_never_written_as_sliding_parts(tmp_path: Path
     async with HiCache.from_config(config) as cache:
         got, _ = await retrieved_kv(cache, tokens)  # pages 0-92 come back thin
         assert got == 400
-        await cache.store(branch, branch_kv)  # the index holds pages 0-49 (thin): only 50-51 are new
+        await cache.store(branch, branch_kv[:, :, given_from:], start=given_from)  # only 50-51 are new
+        in_memory = (await cache.lookup(branch, prefetch=False)).tokens
+        assert in_memory == (208 if given_from == 0 else 0)
         await cache.wait_idle()
+        assert_consistent(cache)
     async with HiCache.from_config(config) as cache:
         got, restored = await retrieved_kv(cache, branch)
-        assert got < 200
+        assert got == (208 if given_from == 0 else 0)
         assert torch.equal(restored[:, 5], branch_kv[:, 5, :got])
         start = max(0, got - WINDOW)
         assert torch.equal(restored[:, :5, start:got], branch_kv[:, :5, start:got])

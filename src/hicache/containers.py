@@ -314,6 +314,7 @@ class Container(containers.DeclarativeContainer):
         max_prefetches=config.provided.controller.max_prefetches,
         alloc_wait_s=config.provided.controller.alloc_wait_s,
         window_slack_pages=providers.Callable(window_slack_pages_from_config, config),
+        sliding_layers=config.provided.model.layers.sliding,
         writes_storage=namespace.provided.writes_storage,
     )
 

@@ -93,6 +93,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         alloc_wait_s: float = 30.0,
         writes_storage: bool = True,
         window_slack_pages: int = 0,
+        sliding_layers: Sequence[int] = (),
     ) -> None:
         self.tree = tree
         self.device = device
@@ -114,6 +115,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.storage_queue = storage_queue
         self.max_prefetches = max_prefetches
         self.alloc_wait_s = alloc_wait_s
+        self.sliding_layers = tuple(sliding_layers)  # a store fills the window of pages held thin
         self.storage_writer = StorageWriter(
             tree, self.storage, self.counters, device.geometry.page_bytes, slack_pages=window_slack_pages
         )
@@ -171,7 +173,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.placement = Placement(
             tree=self.tree, device=self.device, host=self.host, engine=self.engine, evictor=self.evictor,
             counters=self.counters, limiter=self.limiter, frees_device=self.frees_device, frees_host=self.frees_host,
-            kick_eviction=self.kick_eviction,
+            kick_eviction=self.kick_eviction, sliding_layers=self.sliding_layers,
         )
         self.prefetcher = Prefetcher(
             tree=self.tree, tiers=self.storage, policy=self.prefetch_policy,

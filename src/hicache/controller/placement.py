@@ -80,8 +80,10 @@ class Placement:
         frees_device: JobTracker,
         frees_host: JobTracker,
         kick_eviction: Callable[[], None],
+        sliding_layers: tuple[int, ...] = (),
     ) -> None:
         self.tree = tree
+        self.sliding_layers = sliding_layers
         self.device = device
         self.host = host
         self.engine = engine
@@ -102,7 +104,10 @@ class Placement:
         counters.stores += 1
         ps = self.tree.page_size
         full = len(tb) // self.tree.page_bytes
-        match = self.tree.match(tb)
+        # A hybrid's store may fill thin pages up to where its prompt leaves the index: a node
+        # ends there, so filled pages never sit behind thin ones of the same node.
+        match = self.tree.match(tb, split=bool(self.sliding_layers and self.tree.window_pages))
+        self._fill_thin(match.path, kv, start // ps)
         if match.pages >= full:
             self.tree.touch(match.path)
             return Placed([], 0, full, 0)
@@ -158,6 +163,29 @@ class Placement:
         self.counters.dropped_pages += placed.dropped
         self.kick_eviction()
         return Placed(placed.nodes, placed.stored, placed.duplicates, placed.dropped)
+
+    def _fill_thin(self, path: list[TreeNode], kv: Any, start_page: int) -> None:
+        """Give the thin pages in the window before the end of ``path`` (the cached part of a
+        store's prompt) their sliding layers from ``kv`` (the KV of pages ``start_page..``), so
+        that end, where the prompt's new pages branch off, is a hit again and storage can be
+        written its window. Synchronous: nothing is freed or copied under it. A node with a copy
+        between tiers in flight is left thin (that copy could carry the zeros back over)."""
+        window = self.tree.window_pages
+        if not (window and self.sliding_layers and path):
+            return
+        end = sum(node.num_pages for node in path)
+        first = max(end - window, start_page)
+        at = 0
+        for node in path:
+            begin, at = at, at + node.num_pages
+            thin_end, lo = begin + node.thin, max(begin, first)
+            if lo >= thin_end or node.loading is not None or node.backing_up:
+                continue
+            for pool, pages in ((self.device, node.device), (self.host, node.host)):
+                if pages is not None:
+                    held = list(pages[lo - begin : thin_end - begin])
+                    self.engine.user_layers_to_pool(kv, lo - start_page, pool, held, self.sliding_layers)
+            node.thin = lo - begin
 
     def _write_user_pages(self, kv: Any, first: int, dev: list[int], host: list[int]) -> None:
         self.engine.user_to_pool(kv, first, self.device, dev)

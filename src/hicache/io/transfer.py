@@ -10,7 +10,7 @@ reused while a copy still touches it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -68,6 +68,21 @@ class TransferEngine:
         plan = self.io.plan(range(len(pages)), pages, src.device, pool.device)
         with self._stream("load"):
             self.io.copy(src, pool.page_major(), plan)
+        self._synchronize("load")
+
+    def user_layers_to_pool(
+        self, kv: torch.Tensor, first_page: int, pool: MemoryTier, pages: list[int], layers: Sequence[int]
+    ) -> None:
+        """Write only ``layers`` of pages ``first_page..`` of a user kv tensor into ``pages`` of
+        ``pool`` (the sliding layers of pages it holds thin)."""
+        if not pages:
+            return
+        src = self.user_pages(kv, first_page, len(pages))
+        index = torch.tensor(pages, dtype=torch.long, device=pool.device)
+        view = pool.page_major()
+        with self._stream("load"):
+            for layer in layers:
+                view[:, :, layer].index_copy_(0, index, src[:, :, layer].to(pool.device, non_blocking=True))
         self._synchronize("load")
 
     def device_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
