@@ -193,23 +193,30 @@ async def test_a_flipped_byte_in_a_sliding_layer_of_a_stored_page_shortens_the_h
     assert torch.allclose(seq.logits, full_prefill_logits(GEMMA, tokens + out[:-1]), atol=1e-5)
 
 
-async def test_a_prompt_branching_off_a_prefix_read_back_thin_is_a_hit_once_computed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("slack", [0, 128])
+async def test_a_prompt_branching_off_a_prefix_read_back_thin_is_a_hit_once_computed(
+    tmp_path: Path, slack: int
+) -> None:
     """A stored prompt read back from the file tier holds its sliding layers in the window before
-    its end only (thin pages before). A second prompt that branches off inside the thin part is
-    computed whole, and its store fills the window before the branch point: the third prompt
-    on the same branch point is a hit in memory and from a fresh process, answered as the model does."""
-    config = lm_config(GEMMA, tmp_path / "pages", device_pages=32, host_pages=32)
+    its end only (and the slack's before it, where the tier kept them: ``window_slack_tokens``).
+    Without slack, a prompt that branches off 3 pages before that end finds thin pages in its
+    window: it is computed whole, and its store fills that window in, so the next prompt on the
+    same branch point is a hit in memory and from a fresh process. With the default slack, the
+    read-back already holds that window: the first branch is a hit. Answers as the model's own."""
+    policies = {"prefetch": "wait_complete", "prefetch_threshold_tokens": PAGE, "window_slack_tokens": slack}
+    config = lm_config(GEMMA, tmp_path / "pages", device_pages=32, host_pages=32, policies=policies)
     doc = prompt(200, seed=30)
     async with HiCache.from_config(config) as cache:
         await run(CachedCausalLM(GEMMA, cache), doc + prompt(20, seed=31))
         await cache.wait_idle()
-    asks = [doc[:160] + prompt(20, seed=32 + q) for q in range(3)]  # branch at 160: inside the thin part
+    asks = [doc[:160] + prompt(20, seed=32 + q) for q in range(3)]  # branch at page 10 of 13
     async with HiCache.from_config(config) as cache:
         lm = CachedCausalLM(GEMMA, cache)
         _, seq = await run(lm, doc + prompt(20, seed=31))
         assert seq.by_tier["file"] == 208  # the first prompt, back from the file tier (13 pages)
-        _, seq = await run(lm, asks[0])
-        assert seq.cached_tokens == 0  # its window would reach into thin pages
+        out, seq = await run(lm, asks[0], new_tokens=3)
+        assert seq.cached_tokens == (160 if slack else 0)  # without slack: a window reaching into thin pages
+        assert out == greedy(GEMMA, asks[0], 4)
         out, seq = await run(lm, asks[1], new_tokens=3)
         assert seq.cached_tokens == 160 and out == greedy(GEMMA, asks[1], 4)
         await cache.wait_idle()

@@ -183,7 +183,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
-            pin_room=self.evictor.wait_pin_room,
+            pin_room=self.evictor.wait_pin_room, slack_pages=self.storage_writer.tail_pages - self.tree.window_pages,
         )
         self.chain = StorageChain(
             self.storage, host=self.host, tree=self.tree, writer=self.storage_writer, prefetcher=self.prefetcher,

@@ -156,8 +156,12 @@ class Prefetcher:
         jobs: JobTracker,
         page_bytes: int,
         pin_room: Callable[[Callable[[], int]], Awaitable[int]] | None = None,
+        slack_pages: int = 0,
     ) -> None:
         self.tree = tree
+        # A layer-split tier keeps sliding parts for ``slack_pages`` more before a window: read
+        # those that are there, so a prompt branching off a little before the end is a hit too.
+        self.slack_pages = slack_pages
         self.tiers = tiers
         self.policy = policy
         self.threshold_tokens = threshold_tokens
@@ -373,6 +377,9 @@ class Prefetcher:
             return attached
 
         try:
+            if tier.window_pages and self.slack_pages:
+                low = max(start, thin_end - self.slack_pages)
+                thin_end = await self._slack_start(op, tier, pos, len(pages), low, thin_end)
             if tier.window_pages:
                 got = await tier.fetch(
                     op.keys[pos : pos + len(pages)], pages, on_batch=on_batch, sliding_from=thin_end - pos
@@ -383,6 +390,15 @@ class Prefetcher:
             self.reserved -= len(pages)  # published (pinned by op, counted as leased) or freed
             self.free_host(pages[published:])
         return got, attached and got == len(pages)
+
+    @staticmethod
+    async def _slack_start(op: Prefetch, tier: StorageTier, pos: int, count: int, low: int, thin_end: int) -> int:
+        """Where the sliding parts this fetch (keys ``pos..pos+count``) reads may start: before
+        ``thin_end`` (the window's first page) as far back as ``low`` while the tier has them."""
+        low = max(low, pos)
+        if low >= thin_end or thin_end > pos + count:
+            return thin_end  # the slack is not in this batch
+        return await tier.sliding_present_from(op.keys[low:thin_end], low)  # type: ignore[attr-defined]
 
     async def _pin_room(self) -> int:
         """Host pages a prefetch may reserve now (what it brings stays pinned until a retrieve

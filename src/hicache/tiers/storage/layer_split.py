@@ -212,6 +212,23 @@ class LayerSplitTier(_PartTier):
         )
         return n if m == len(chosen) else chosen[m]
 
+    async def _suffix_from(self, keys: Sequence[bytes], lo: int) -> int:
+        """The smallest ``i >= lo`` whose ``keys[i:]`` all have their sliding parts (``len(keys)``
+        when the last has none): a binary search, as a suffix of present parts stays present."""
+        n = len(keys)
+        hi = n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if await self.sliding_part.exists(keys[mid:]) == n - mid:
+                hi = mid
+            else:
+                lo = mid + 1
+        return hi
+
+    async def sliding_present_from(self, keys: Sequence[bytes], offset: int = 0) -> int:
+        """``offset`` plus the first index from which every one of ``keys`` has its sliding part."""
+        return offset + await self._suffix_from(keys, 0)
+
     async def store_sliding(self, keys: Sequence[bytes], host_pages: Sequence[int]) -> int:
         """Write the sliding parts of pages whose full parts are stored (the window of a later end)
         that are missing between those present at the start and those present at the end (a new
@@ -220,13 +237,7 @@ class LayerSplitTier(_PartTier):
         first = await self.sliding_part.exists(keys)
         if first == n:
             return 0
-        lo, hi = first + 1, n  # the smallest ``hi`` whose suffix ``keys[hi:]`` is all present
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if await self.sliding_part.exists(keys[mid:]) == n - mid:
-                hi = mid
-            else:
-                lo = mid + 1
+        hi = await self._suffix_from(keys, first + 1)
         return await self.sliding_part.store(keys[first:hi], host_pages[first:hi])
 
     def payload_bytes(self, pages: int, sliding: int = 0) -> int:
