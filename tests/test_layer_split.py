@@ -310,6 +310,38 @@ async def test_a_branch_off_pages_held_thin_is_a_hit_only_where_its_kv_was_given
         assert torch.equal(restored[:, :5, start:got], branch_kv[:, :5, start:got])
 
 
+@pytest.mark.parametrize("tier", ["host", "device"])
+async def test_pages_an_engine_wrote_in_place_fill_the_thin_pages_they_duplicate(tmp_path: Path, tier: str) -> None:
+    """The commit path (an engine that writes KV into reserved pages, as the vLLM connector
+    does): a prompt branching off inside a prefix read back thin is written whole; the pages the
+    index holds already are freed as duplicates, after their sliding layers filled the thin ones
+    in the window before the branch point. A hit at once, and a fresh process hits it exact."""
+    from .test_hold import write_pages
+
+    config = hybrid_config(tmp_path / "pages")
+    tokens, kv = make_tokens(400, seed=70), make_kv(config, 400, seed=70)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    branch = tokens[:200] + make_tokens(8, seed=71)
+    branch_kv = torch.cat([kv[:, :, :200], make_kv(config, 8, seed=72)], dim=2)
+    async with HiCache.from_config(config) as cache:
+        got, _ = await retrieved_kv(cache, tokens)  # pages 0-92 come back thin
+        assert got == 400
+        assert (await cache.lookup(branch, prefetch=False)).tokens == 0
+        async with cache.reserve(52, tier=tier) as res:
+            write_pages(res.tier, res.pages, branch_kv, 0, PAGE)
+            assert await res.commit(branch) == 2 * PAGE  # pages 0-49 were cached: 50-51 are new
+        assert (await cache.lookup(branch, prefetch=False)).tokens == 208
+        await cache.wait_idle()
+        assert_consistent(cache)
+    async with HiCache.from_config(config) as cache:
+        got, restored = await retrieved_kv(cache, branch)
+        assert got == 208
+        assert torch.equal(restored[:, 5], branch_kv[:, 5])
+        assert torch.equal(restored[:, :5, 208 - WINDOW :], branch_kv[:, :5, 208 - WINDOW :])
+
+
 async def test_window_slack_makes_a_branch_just_before_a_stored_end_a_hit_at_once(tmp_path: Path) -> None:
     """``policies.window_slack_tokens``: the sliding layers of that many tokens more before each
     end, so the second question on a stored document is a hit at the document's end already."""

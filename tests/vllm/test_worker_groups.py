@@ -41,7 +41,9 @@ def _worker(tmp_path: Path, name: str) -> Any:
         "page_size": BLOCK,
         "tiers": {"device": {"capacity": "64KiB", "device": "cpu"}, "host": {"capacity": "1MiB"},
                   "storage": [{"kind": "file", "path": str(tmp_path / "pages"), "fsync": "never"}]},
-        "policies": {"write": "write_through", "prefetch": "wait_complete", "prefetch_threshold_tokens": 0},
+        # no window slack: the file tier keeps the last window's sliding layers only
+        "policies": {"write": "write_through", "prefetch": "wait_complete", "prefetch_threshold_tokens": 0,
+                     "window_slack_tokens": 0},
     }, env={})
     side = WorkerSide(config, BLOCK, str(tmp_path / f"{name}.sock"), layer_groups=GROUPS)
     shared = torch.zeros((BLOCKS, HEADS, BLOCK, 2 * DIM))  # vLLM: one tensor per position, shared by its groups

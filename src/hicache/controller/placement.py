@@ -164,27 +164,55 @@ class Placement:
         self.kick_eviction()
         return Placed(placed.nodes, placed.stored, placed.duplicates, placed.dropped)
 
+    def _thin_in_window(self, path: list[TreeNode], first: int) -> list[tuple[TreeNode, int, int]]:
+        """The nodes of ``path`` whose thin pages lie in the window before its end, from page
+        ``first`` on: ``(node, its first page, the first page to fill)``; each to fill up to the
+        end of its thin run, so its thin pages stay its leading ones. A node with a copy between
+        tiers in flight is left thin (that copy could carry the zeros back over)."""
+        window = self.tree.window_pages
+        if not (window and self.sliding_layers and path):
+            return []
+        end = sum(node.num_pages for node in path)
+        low = max(end - window, first)
+        out = []
+        at = 0
+        for node in path:
+            begin, at = at, at + node.num_pages
+            lo = max(begin, low)
+            if lo < begin + node.thin and node.loading is None and not node.backing_up:
+                out.append((node, begin, lo))
+        return out
+
     def _fill_thin(self, path: list[TreeNode], kv: Any, start_page: int) -> None:
         """Give the thin pages in the window before the end of ``path`` (the cached part of a
         store's prompt) their sliding layers from ``kv`` (the KV of pages ``start_page..``), so
         that end, where the prompt's new pages branch off, is a hit again and storage can be
-        written its window. Synchronous: nothing is freed or copied under it. A node with a copy
-        between tiers in flight is left thin (that copy could carry the zeros back over)."""
-        window = self.tree.window_pages
-        if not (window and self.sliding_layers and path):
-            return
-        end = sum(node.num_pages for node in path)
-        first = max(end - window, start_page)
-        at = 0
-        for node in path:
-            begin, at = at, at + node.num_pages
-            thin_end, lo = begin + node.thin, max(begin, first)
-            if lo >= thin_end or node.loading is not None or node.backing_up:
-                continue
+        written its window. Synchronous: nothing is freed or copied under it."""
+        for node, begin, lo in self._thin_in_window(path, start_page):
+            thin_end = begin + node.thin
             for pool, pages in ((self.device, node.device), (self.host, node.host)):
                 if pages is not None:
                     held = list(pages[lo - begin : thin_end - begin])
                     self.engine.user_layers_to_pool(kv, lo - start_page, pool, held, self.sliding_layers)
+            node.thin = lo - begin
+
+    def _fill_thin_from(self, path: list[TreeNode], first: int, slots: list[tuple[bool, int]]) -> None:
+        """As ``_fill_thin``, from pages an engine wrote in place that turn out cached already
+        (``slots``: pages ``first..`` of the prompt, about to be freed as duplicates)."""
+        for node, begin, lo in self._thin_in_window(path, first):
+            thin_end = begin + node.thin
+            if thin_end > first + len(slots):
+                continue  # the thin run goes on past what was written: it could not end thin
+            source = slots[lo - first : thin_end - first]
+            for pool, pages in ((self.device, node.device), (self.host, node.host)):
+                if pages is None:
+                    continue
+                held = list(pages[lo - begin : thin_end - begin])
+                for on_device, tier in ((True, self.device), (False, self.host)):
+                    pairs = [(p, d) for (dev, p), d in zip(source, held) if dev == on_device]
+                    self.engine.pool_layers_to_pool(
+                        tier, [p for p, _ in pairs], pool, [d for _, d in pairs], self.sliding_layers
+                    )
             node.thin = lo - begin
 
     def _write_user_pages(self, kv: Any, first: int, dev: list[int], host: list[int]) -> None:
@@ -228,6 +256,8 @@ class Placement:
             self._free_slots(slots[:usable])
             return Insertion(dropped=len(slots))
         duplicates = match.pages - first
+        if duplicates:
+            self._fill_thin_from(match.path, first, slots[:duplicates])
         self._free_slots(slots[:duplicates])
         rest = slots[duplicates:usable]
         pos = first + duplicates

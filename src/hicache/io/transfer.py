@@ -85,6 +85,21 @@ class TransferEngine:
                 view[:, :, layer].index_copy_(0, index, src[:, :, layer].to(pool.device, non_blocking=True))
         self._synchronize("load")
 
+    def pool_layers_to_pool(
+        self, src: MemoryTier, src_pages: list[int], dst: MemoryTier, dst_pages: list[int], layers: Sequence[int]
+    ) -> None:
+        """Copy only ``layers`` of ``src_pages`` of one pool into ``dst_pages`` of another (or the same)."""
+        if not src_pages:
+            return
+        src_index = torch.tensor(src_pages, dtype=torch.long, device=src.device)
+        dst_index = torch.tensor(dst_pages, dtype=torch.long, device=dst.device)
+        src_view, dst_view = src.page_major(), dst.page_major()
+        with self._stream("load"):
+            for layer in layers:
+                part = src_view[:, :, layer].index_select(0, src_index)
+                dst_view[:, :, layer].index_copy_(0, dst_index, part.to(dst.device, non_blocking=True))
+        self._synchronize("load")
+
     def device_to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Back up (or spill) device pages to host pages, all layers at once."""
         plan = self.io.plan(device_pages, host_pages, self.device_pool.device, self.host_pool.device)
