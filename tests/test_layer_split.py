@@ -276,6 +276,17 @@ async def test_a_question_branching_off_an_indexed_document_writes_the_documents
         assert torch.equal(restored[:, :5, 200 - WINDOW:], kv[:, :5, 200 - WINDOW:200])
 
 
+async def stored_prompt_and_a_branch(config: HiCacheConfig, seed: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """A 400-token prompt stored to the file tier, and a prompt branching off it at token 200
+    (page 50) with its KV: the prompt's up to there, then 8 tokens of its own."""
+    tokens, kv = make_tokens(400, seed=seed), make_kv(config, 400, seed=seed)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    branch = tokens[:200] + make_tokens(8, seed=seed + 1)
+    return tokens, branch, torch.cat([kv[:, :, :200], make_kv(config, 8, seed=seed + 2)], dim=2)
+
+
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 @pytest.mark.parametrize("given_from", [0, 200])
 async def test_a_branch_off_pages_held_thin_is_a_hit_only_where_its_kv_was_given(
@@ -288,12 +299,7 @@ async def test_a_branch_off_pages_held_thin_is_a_hit_only_where_its_kv_was_given
     point (``start``), nothing can be filled, and the thin pages' zeros are never written as
     sliding parts: a fresh process finds no hit rather than zeros served as KV."""
     config = hybrid_config(tmp_path / "pages", layout)
-    tokens, kv = make_tokens(400, seed=50), make_kv(config, 400, seed=50)
-    async with HiCache.from_config(config) as cache:
-        await cache.store(tokens, kv)
-        await cache.wait_idle()
-    branch = tokens[:200] + make_tokens(8, seed=51)
-    branch_kv = torch.cat([kv[:, :, :200], make_kv(config, 8, seed=52)], dim=2)
+    tokens, branch, branch_kv = await stored_prompt_and_a_branch(config, seed=50)
     async with HiCache.from_config(config) as cache:
         got, _ = await retrieved_kv(cache, tokens)  # pages 0-92 come back thin
         assert got == 400
@@ -319,12 +325,7 @@ async def test_pages_an_engine_wrote_in_place_fill_the_thin_pages_they_duplicate
     from .test_hold import write_pages
 
     config = hybrid_config(tmp_path / "pages")
-    tokens, kv = make_tokens(400, seed=70), make_kv(config, 400, seed=70)
-    async with HiCache.from_config(config) as cache:
-        await cache.store(tokens, kv)
-        await cache.wait_idle()
-    branch = tokens[:200] + make_tokens(8, seed=71)
-    branch_kv = torch.cat([kv[:, :, :200], make_kv(config, 8, seed=72)], dim=2)
+    tokens, branch, branch_kv = await stored_prompt_and_a_branch(config, seed=70)
     async with HiCache.from_config(config) as cache:
         got, _ = await retrieved_kv(cache, tokens)  # pages 0-92 come back thin
         assert got == 400
