@@ -116,6 +116,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.max_prefetches = max_prefetches
         self.alloc_wait_s = alloc_wait_s
         self.sliding_layers = tuple(sliding_layers)  # a store fills the window of pages held thin
+        self.window_slack_pages = window_slack_pages  # policies.window_slack_tokens, in pages
         self.storage_writer = StorageWriter(
             tree, self.storage, self.counters, device.geometry.page_bytes, slack_pages=window_slack_pages
         )
@@ -183,7 +184,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
-            pin_room=self.evictor.wait_pin_room, slack_pages=self.storage_writer.tail_pages - self.tree.window_pages,
+            pin_room=self.evictor.wait_pin_room, slack_pages=self.window_slack_pages,
         )
         self.chain = StorageChain(
             self.storage, host=self.host, tree=self.tree, writer=self.storage_writer, prefetcher=self.prefetcher,
