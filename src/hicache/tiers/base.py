@@ -110,7 +110,8 @@ class MemoryTier(ABC):
         self.device = device
         self.capacity_bytes = capacity_bytes
         self.num_pages = geometry.pages_for(capacity_bytes)
-        self.allocator = PageAllocator(self.num_pages)
+        self.capacity_pages = self.num_pages  # whole pages the capacity holds (a compact host has more slots)
+        self.allocator: PageAllocator = PageAllocator(self.num_pages)
         self._buffer: torch.Tensor | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
