@@ -7,6 +7,8 @@ Three kinds of candidate, one heap each, ordered by the eviction policy's key (t
 * ``HOST_LEAF``: host-only, childless, unpinned, not loading: the host's first choice (the node
   leaves the tree);
 * ``HOST_MIRROR``: on both tiers, unpinned, not loading: the host's second choice.
+* ``HOST_SHED`` (a compact host only): host-only, unpinned, not loading, with pages before its last
+  ``keep`` whose sliding layers are still held: what the host sheds before it evicts anything.
 
 The tree reports every node whose candidacy may have changed (``HiRadixTree.changed``: residency,
 pins released, loads finished, children removed; ``radix_tree.py``), and ``refresh()`` pushes
@@ -35,11 +37,15 @@ from ..policies.base import EvictionPolicy
 from ..policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy, PriorityPolicy, ScanResistantLRUPolicy
 from ..radix_tree import HiRadixTree, TreeNode
 
-__all__ = ["DEVICE_LEAF", "HOST_LEAF", "HOST_MIRROR", "Candidates", "device_leaf", "host_leaf", "host_mirror"]
+__all__ = [
+    "DEVICE_LEAF", "HOST_LEAF", "HOST_MIRROR", "HOST_SHED", "Candidates", "device_leaf", "host_leaf", "host_mirror",
+    "host_sheddable",
+]
 
 DEVICE_LEAF = 0
 HOST_LEAF = 1
 HOST_MIRROR = 2
+HOST_SHED = 3
 
 
 def device_leaf(node: TreeNode) -> bool:
@@ -59,8 +65,16 @@ def host_mirror(node: TreeNode) -> bool:
     return node.on_host and node.on_device and node.loading is None
 
 
-_WANTED: tuple[Callable[[TreeNode], bool], ...] = (device_leaf, host_leaf, host_mirror)
-_QUEUED = (2, 4, 8)  # TreeNode.marks bits: queued in heap DEVICE_LEAF / HOST_LEAF / HOST_MIRROR
+def host_sheddable(node: TreeNode, keep: int) -> bool:
+    """Host-only, unpinned, no copy in flight, and holding the sliding layers of pages before its
+    last ``keep`` (the window and slack its end needs)."""
+    return (
+        node.on_host and not node.on_device and node.lock_ref == 0 and node.loading is None
+        and not node.storing and not node.backing_up and node.thin < node.num_pages - keep
+    )
+
+
+_QUEUED = (2, 4, 8, 16)  # TreeNode.marks bits: queued in heap DEVICE_LEAF / HOST_LEAF / HOST_MIRROR / HOST_SHED
 # keys: fixed-length tuples ending in the id
 _FLAT_KEYS = (LRUPolicy, LFUPolicy, FIFOPolicy, PriorityPolicy, ScanResistantLRUPolicy)
 _Entry = tuple[Any, ...]
@@ -69,10 +83,16 @@ _Entry = tuple[Any, ...]
 class Candidates:
     """The candidate heaps of one tree under one eviction policy."""
 
-    def __init__(self, tree: HiRadixTree, policy: EvictionPolicy) -> None:
+    def __init__(self, tree: HiRadixTree, policy: EvictionPolicy, *, shed_keep: int | None = None) -> None:
+        """``shed_keep``: pages at each node's end a compact host keeps whole (None: no shedding)."""
         self.tree = tree
         self.policy = policy
-        self._heaps: list[list[_Entry]] = [[], [], []]
+        self._wanted: list[Callable[[TreeNode], bool]] = [device_leaf, host_leaf, host_mirror]
+        if shed_keep is not None:
+            keep = shed_keep
+            self._wanted.append(lambda node: host_sheddable(node, keep))
+        self._kinds = range(len(self._wanted))
+        self._heaps: list[list[_Entry]] = [[] for _ in self._wanted]
         self._flat = type(policy) in _FLAT_KEYS
 
     def _entry(self, node: TreeNode) -> _Entry:
@@ -83,7 +103,7 @@ class Candidates:
         return entry[:-1] if self._flat else entry[0]
 
     def wanted(self, kind: int) -> Callable[[TreeNode], bool]:
-        return _WANTED[kind]
+        return self._wanted[kind]
 
     def refresh(self) -> None:
         """Queue the nodes the tree reported since the last refresh that are candidates now."""
@@ -95,9 +115,9 @@ class Candidates:
             if node.parent is None:
                 continue  # removed from the tree (or the root)
             marks = node.marks
-            for kind in (DEVICE_LEAF, HOST_LEAF, HOST_MIRROR):
+            for kind in self._kinds:
                 bit = _QUEUED[kind]
-                if not marks & bit and _WANTED[kind](node):
+                if not marks & bit and self._wanted[kind](node):
                     marks |= bit
                     heapq.heappush(heaps[kind], entry(node))
             node.marks = marks
@@ -110,7 +130,7 @@ class Candidates:
         """
         heap = self._heaps[kind]
         bit = _QUEUED[kind]
-        wanted = _WANTED[kind]
+        wanted = self._wanted[kind]
         key = self.policy.key
         while heap:
             top = heap[0]

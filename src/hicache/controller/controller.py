@@ -170,6 +170,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             on_device_alloc=self.kick_eviction,
             storage_writer=self.storage_writer,  # used only while a storage tier is attached
             on_host_copy=lambda node: self.host_copy_made(node, wait=False),
+            shed_keep=self.tree.window_pages + self.window_slack_pages if self.tree.window_pages else None,
         )
         self.placement = Placement(
             tree=self.tree, device=self.device, host=self.host, engine=self.engine, evictor=self.evictor,
@@ -184,7 +185,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
-            pin_room=self.evictor.wait_pin_room, slack_pages=self.window_slack_pages,
+            pin_room=self.evictor.wait_pin_room, slack_pages=self.window_slack_pages, shed_host=self.host.shed,
         )
         self.chain = StorageChain(
             self.storage, host=self.host, tree=self.tree, writer=self.storage_writer, prefetcher=self.prefetcher,

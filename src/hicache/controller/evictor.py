@@ -11,6 +11,9 @@ both tiers:
   its last pages (a run that fits) are spilled and leave the device; the rest stays a device leaf
   for the next round. So a page can leave the device as soon as one page of host room can be had,
   however large its node (a node larger than the whole host tier leaves it run by run).
+* a compact host (``tiers/shed.py``) first sheds: host-only nodes drop the sliding layers of
+  their pages before the window and slack their end keeps (``shed_keep``), in policy order, as the
+  residency rule allows (``may_shed``). Synchronous, no copy: memory is simply given back.
 * the host takes host-only leaves first (the node leaves the tree), then host copies of nodes that
   are still on the device. A victim promised to storage and not written there yet is written first
   (batched, through the storage writer); one whose write is queued or in flight waits; one whose
@@ -48,7 +51,9 @@ from ..radix_tree import HiRadixTree, Pin, TreeNode
 from ..stats import Counters
 from ..tiers.device import DevicePool
 from ..tiers.host import HostPool
-from .candidates import DEVICE_LEAF, HOST_LEAF, HOST_MIRROR, Candidates, device_leaf, host_leaf, host_mirror
+from .candidates import (
+    DEVICE_LEAF, HOST_LEAF, HOST_MIRROR, HOST_SHED, Candidates, device_leaf, host_leaf, host_mirror,
+)
 from .jobs import BoundedWait, JobTracker
 from .residency import Residency, Verdict
 from .storage_writer import StorageWriter
@@ -90,7 +95,10 @@ class Evictor:
         on_device_alloc: Callable[[], None] = lambda: None,
         storage_writer: StorageWriter | None = None,
         on_host_copy: Callable[[TreeNode], Awaitable[None]] | None = None,
+        shed_keep: int | None = None,
     ) -> None:
+        """``shed_keep``: pages at each node's end whose sliding layers a compact host keeps (the
+        window and its slack); None: the host never sheds."""
         self.tree = tree
         self.device = device
         self.host = host
@@ -105,7 +113,8 @@ class Evictor:
         self.on_device_alloc = on_device_alloc
         self.storage_writer = storage_writer
         self.on_host_copy = on_host_copy
-        self.candidates = Candidates(tree, eviction_policy)
+        self.shed_keep = shed_keep if host.compact else None
+        self.candidates = Candidates(tree, eviction_policy, shed_keep=self.shed_keep)
         self._device_lock = anyio.Lock()
         self._host_lock = anyio.Lock()  # taken inside _device_lock (a device spill allocates host), never around it
 
@@ -123,7 +132,7 @@ class Evictor:
     def pin_room(self) -> int:
         """Host pages that leases may still pin (host-only pages: a prefetch's, a retrieve's before
         its load-back) while the host keeps ``spill_room`` for pages leaving the device."""
-        n = self.host.num_pages
+        n = self.host.capacity_pages
         return n - spill_room(n) - self.tree.leased_pages["host"]
 
     async def wait_pin_room(self, reserved: Callable[[], int] = lambda: 0) -> int:
@@ -167,6 +176,8 @@ class Evictor:
         self.candidates.refresh()
         while n > self.host.free_pages:
             short = n - self.host.free_pages
+            if self.shed_host(n):
+                continue
             if await self.evict_host(short) >= short:
                 continue
             if self.host.free_pages >= min(n, self._unleased("host")) or not await waits.next():
@@ -177,7 +188,7 @@ class Evictor:
     def _unleased(self, tier: str) -> int:
         """Pages of ``tier`` that callers do not hold: the most that waiting for jobs could free."""
         pool = self.device if tier == "device" else self.host
-        return pool.num_pages - self.tree.leased_pages[tier]
+        return pool.capacity_pages - self.tree.leased_pages[tier]
 
     # -- device ---------------------------------------------------------------------------------
 
@@ -348,6 +359,33 @@ class Evictor:
 
     _host_leaf = staticmethod(host_leaf)
     _host_mirror = staticmethod(host_mirror)
+
+    def shed_host(self, n_pages: int) -> bool:
+        """Shed sliding layers (policy order) until ``n_pages`` whole pages fit in the host's budget
+        or nothing is left to shed; whether anything was shed."""
+        keep = self.shed_keep
+        if keep is None:
+            return False
+        candidates = self.candidates
+        candidates.refresh()
+        taken: list[TreeNode] = []
+        shed = 0
+        try:
+            while self.host.free_pages < n_pages and (node := candidates.pop(HOST_SHED)) is not None:
+                taken.append(node)
+                if not self.residency.may_shed(node):
+                    continue
+                pages = node.host
+                assert pages is not None
+                end = node.num_pages - keep
+                self.host.shed(list(pages[node.thin : end]))
+                shed += end - node.thin
+                node.thin = end
+        finally:
+            for node in taken:
+                self.tree.note(node)
+        self.counters.sliding_shed_pages += shed
+        return shed > 0
 
     async def evict_host(self, n_pages: int) -> int:
         """Drop at least ``n_pages`` host pages if the residency rule allows; return how many."""

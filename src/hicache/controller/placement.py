@@ -193,8 +193,11 @@ class Placement:
             for pool, pages in ((self.device, node.device), (self.host, node.host)):
                 if pages is not None:
                     held = list(pages[lo - begin : thin_end - begin])
+                    if pool is self.host:
+                        self.host.restore(held)  # whole again: they cost their full size
                     self.engine.user_layers_to_pool(kv, lo - start_page, pool, held, self.sliding_layers)
             node.thin = lo - begin
+            self.tree.note(node)
 
     def _fill_thin_from(self, path: list[TreeNode], first: int, slots: list[tuple[bool, int]]) -> None:
         """As ``_fill_thin``, from pages an engine wrote in place that turn out cached already
@@ -208,12 +211,15 @@ class Placement:
                 if pages is None:
                     continue
                 held = list(pages[lo - begin : thin_end - begin])
+                if pool is self.host:
+                    self.host.restore(held)
                 for on_device, tier in ((True, self.device), (False, self.host)):
                     pairs = [(p, d) for (dev, p), d in zip(source, held) if dev == on_device]
                     self.engine.pool_layers_to_pool(
                         tier, [p for p, _ in pairs], pool, [d for _, d in pairs], self.sliding_layers
                     )
             node.thin = lo - begin
+            self.tree.note(node)
 
     def _write_user_pages(self, kv: Any, first: int, dev: list[int], host: list[int]) -> None:
         self.engine.user_to_pool(kv, first, self.device, dev)

@@ -157,8 +157,10 @@ class Prefetcher:
         page_bytes: int,
         pin_room: Callable[[Callable[[], int]], Awaitable[int]] | None = None,
         slack_pages: int = 0,
+        shed_host: Callable[[list[int]], None] = lambda pages: None,
     ) -> None:
         self.tree = tree
+        self.shed_host = shed_host  # a compact host gives back the memory of pages that came back thin
         # A layer-split tier keeps sliding parts for ``slack_pages`` more before a window: read
         # those that are there, so a prompt branching off a little before the end is a hit too.
         self.slack_pages = slack_pages
@@ -431,6 +433,8 @@ class Prefetcher:
             if thin_end > op.first_page + thin[0]:
                 first = sum(n.num_pages for n in self.tree.path_to(node.parent))
                 node.thin = min(node.num_pages, max(0, thin_end - first))
+                if node.thin and node.host is not None:
+                    self.shed_host(list(node.host[: node.thin]))  # zeros already: give their memory back
         match = self.tree.match(prefix)
         if match.pages < end:
             return False  # the pages before ours left the cache: ours could not be attached

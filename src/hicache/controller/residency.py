@@ -17,6 +17,12 @@ it, or its write there failed and is counted as lost. The promise is the write p
 * ``LOST``: its write to storage failed: it may leave, and ``lost_pages`` counts it when this was
   its last copy in memory (a host copy of a page still on the device is not lost yet).
 
+**Shedding** (a compact host, ``tiers/shed.py``): the sliding layers of a host-only page outside
+every window may leave the host before any page does, when the page itself could leave it
+(``may_shed``: its host pages are ``FREE`` to go), or when every tier it is owed to is layer-split:
+those keep windows only, never these layers, so nothing promised is lost. A page owed to a tier
+that stores whole pages keeps them until it is written there.
+
 The device boundary leads to the host tier, the host boundary to every storage tier; the lowest
 tier there is (the host without storage tiers, the device without a host tier) may always drop.
 Storage tiers come and go at runtime (``attach_storage`` / ``detach_storage``), so whether there is
@@ -112,6 +118,16 @@ class Residency:
         if node.store_failed:
             return Verdict.LOST
         return Verdict.COPY
+
+    def may_shed(self, node: TreeNode) -> bool:
+        """May ``node``'s host pages outside its end's window drop their sliding layers? (The caller
+        checked it is host-only, unpinned and no copy is in flight.)"""
+        verdict = self.leave_host(node)
+        if verdict is Verdict.FREE:
+            return True
+        return verdict is Verdict.COPY and self._storage is not None and all(
+            getattr(t, "window_pages", 0) for t in self._storage if getattr(getattr(t, "backend", None), "writable", True)
+        )
 
     def owed_below(self, node: TreeNode) -> bool:
         """Pages the policy promised to storage that storage does not hold (what shutdown drains)."""

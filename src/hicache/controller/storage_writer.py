@@ -104,9 +104,11 @@ class StorageWriter:
                 covered.stored = True
             elif stored is False:
                 covered.store_failed = True
+            self.tree.note(covered)  # its host pages may be shed now (a compact host)
         for node, keys, _, _ in job.window:
             for covered, _, _ in self.tree.covering(node, keys):
                 covered.storing -= 1
+                self.tree.note(covered)
 
     async def write(self, jobs: list[StorageJob]) -> list[bool | None]:
         """Write every job to every tier attached now; per job, whether all of those still attached
@@ -124,6 +126,7 @@ class StorageWriter:
                 pages: list[int] = []
                 owner: list[int] = []
                 sliding: list[bool] = []  # a layer-split tier: the pages whose sliding layers it keeps
+                refused: set[int] = set()  # jobs a whole-page tier cannot be written (thin pages)
                 windows = 0
                 for j, job in enumerate(jobs):
                     if tier.window_pages:
@@ -131,6 +134,11 @@ class StorageWriter:
                         windows += more
                     else:
                         have, window_from = await tier.exists(job.keys), len(job.keys)
+                        if job.thin > have:
+                            # Thin pages would be stored whole with zeros for KV: not written
+                            # (the job reports short, its pages count as lost if they leave).
+                            refused.add(j)
+                            continue
                     tier.skipped_pages += have
                     keys += job.keys[have:]
                     pages += job.host_pages[have:]
@@ -140,6 +148,8 @@ class StorageWriter:
                     # The ancestors' windows (``prepare``), also when every page of the jobs is stored.
                     windows += await self._write_windows(tier, jobs)
                     self.counters.bytes_moved["host_to_storage"] += tier.payload_bytes(0, windows)  # type: ignore[attr-defined]
+                for j in refused:
+                    ok[j] = False
                 if not keys:
                     continue
                 if tier.window_pages:
