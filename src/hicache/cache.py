@@ -350,10 +350,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
             raise InvalidRequestError(f"tier must be 'device' or 'host', got {tier!r}")
         ctl = self.controller
         pool = ctl.device if tier == "device" else ctl.host
-        if num_pages > pool.num_pages:
+        if num_pages > pool.capacity_pages:
             # Checked first: evicting the whole tier and then failing would leave it changed.
             raise CapacityError(
-                f"reserve({num_pages}) asks for more pages than the {tier} tier has ({pool.num_pages})"
+                f"reserve({num_pages}) asks for more pages than the {tier} tier has ({pool.capacity_pages})"
             )
 
         async def acquire() -> SlotReservation:
@@ -495,13 +495,15 @@ class HiCache(anyio.AsyncContextManagerMixin):
         c = ctl.counters
         tiers = {
             tier.name: TierStats(
-                capacity_pages=tier.num_pages,
+                capacity_pages=tier.capacity_pages,
                 used_pages=tier.used_pages,
                 page_bytes=self._geometry.page_bytes,
                 hit_tokens=c.hit_tokens[tier.name],
                 miss_tokens=c.miss_tokens[tier.name],
                 evicted_pages=c.evicted_pages[tier.name],
                 lost_pages=c.lost_pages[tier.name],
+                shed_pages=getattr(tier, "shed_pages", 0),
+                shed_bytes=getattr(tier.allocator, "shed_bytes", 0),
             )
             for tier in (ctl.device, ctl.host)
         }
@@ -530,6 +532,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
             short_retrieve_tokens=c.short_retrieve_tokens,
             eviction_waits=c.eviction_waits,
             eviction_wait_s=c.eviction_wait_s,
+            sliding_shed_pages=c.sliding_shed_pages,
             latencies=MappingProxyType({name: h.snapshot() for name, h in c.latency.items()}),
         )
 

@@ -239,6 +239,10 @@ class HostTierConfig(BaseModel):
     # Fault the tier's pages in from open on, in the background (Linux; tiers/prefault.py): for an
     # engine that writes fresh host pages on its critical path (the vLLM connector's saves).
     prefault: bool = False
+    # A sliding-window hybrid's host pages shed their sliding layers' memory outside every window
+    # before any page is evicted (tiers/shed.py). auto: where the pool can (unpinned, Linux);
+    # false: pages stay whole.
+    compact: bool | Literal["auto"] = "auto"
 
 
 _CODEC_ROLES = {"int8": 0, "lossless": 1, "aes-gcm": 2}  # lossy, lossless, encryption: the order of a chain

@@ -180,6 +180,12 @@ def window_pages_from_config(config: HiCacheConfig) -> int:
     return kinds.window_pages(config.page_size) if kinds.splits else 0
 
 
+def shed_layers_from_config(config: HiCacheConfig) -> tuple[int, ...]:
+    """The layers a compact host's pages may shed (sliding ones, where some layers stay full)."""
+    kinds = config.model.layers
+    return kinds.sliding if kinds.splits else ()
+
+
 def window_slack_pages_from_config(config: HiCacheConfig) -> int:
     """Pages before a prefix end, past its window, whose sliding layers storage keeps too."""
     return -(-config.policies.window_slack_tokens // config.page_size)
@@ -245,6 +251,8 @@ class Container(containers.DeclarativeContainer):
         pin_memory=config.provided.tiers.host.pin_memory,
         device_tier=device_pool.provided.device,
         prefault=config.provided.tiers.host.prefault,
+        sliding_layers=providers.Callable(shed_layers_from_config, config),
+        compact=config.provided.tiers.host.compact,
     )
 
     io_backend = providers.Selector(

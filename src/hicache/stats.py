@@ -90,6 +90,8 @@ class TierStats:
     miss_tokens: int
     evicted_pages: int
     lost_pages: int = 0  # pages that left this tier without reaching the one the write policy promised
+    shed_pages: int = 0  # of the used pages, those held now without their sliding layers (a compact host)
+    shed_bytes: int = 0  # the memory those gave back
 
     @property
     def capacity_bytes(self) -> int:
@@ -97,7 +99,7 @@ class TierStats:
 
     @property
     def used_bytes(self) -> int:
-        return self.used_pages * self.page_bytes
+        return self.used_pages * self.page_bytes - self.shed_bytes
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,7 @@ class CacheStats:
     short_retrieve_tokens: int = 0  # tokens those retrieves left out
     eviction_waits: int = 0  # times an allocation waited for an in-flight copy down (backpressure)
     eviction_wait_s: float = 0.0  # seconds spent in those waits
+    sliding_shed_pages: int = 0  # host pages whose sliding layers left memory before any page was evicted
     latencies: Mapping[str, HistogramSnapshot] = field(default_factory=lambda: MappingProxyType({}))  # see LATENCIES
 
     @property
@@ -245,6 +248,7 @@ class Counters:
     short_retrieve_tokens: int = 0
     eviction_waits: int = 0
     eviction_wait_s: float = 0.0
+    sliding_shed_pages: int = 0
     lost_pages: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})
     miss_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0})

@@ -36,6 +36,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "tier_miss_tokens": ("counter", ("tier", "kind"), "Tokens retrieves asked of this tier that it did not supply"),
     "tier_evicted_pages": ("counter", ("tier", "kind"), "Pages evicted from the tier"),
     "tier_lost_pages": ("counter", ("tier", "kind"), "Pages that left memory without reaching the tier the write policy promised (should stay 0)"),
+    "tier_shed_pages": ("gauge", ("tier", "kind"), "Pages held now without their sliding layers' memory (a compact host)"),
     # storage tiers
     "storage_position": ("gauge", ("tier", "kind"), "Place of the tier in the storage chain (0: fastest, probed first)"),
     "storage_fetched_pages": ("counter", ("tier", "kind"), "Pages read and verified into host memory (prefetch)"),
@@ -73,6 +74,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "short_retrieve_tokens": ("counter", (), "Tokens those retrieves left out"),
     "eviction_waits": ("counter", (), "Allocations that waited for an in-flight copy down (backpressure)"),
     "eviction_wait_seconds": ("counter", (), "Seconds spent in those waits"),
+    "sliding_shed_pages": ("counter", (), "Host pages whose sliding layers left memory (a compact host sheds them before it evicts)"),
     "queue_depth": ("gauge", ("queue",), "Jobs queued per background queue (backup, load, storage, prefetch)"),
     "jobs_in_flight": ("gauge", (), "Background jobs not finished"),
     "lookup_seconds": ("histogram", (), "lookup latency (storage probes included)"),
@@ -161,6 +163,7 @@ class HiCacheCollector(Collector):
             add("tier_miss_tokens", t.miss_tokens, tier, tier)
             add("tier_evicted_pages", t.evicted_pages, tier, tier)
             add("tier_lost_pages", t.lost_pages, tier, tier)
+            add("tier_shed_pages", t.shed_pages, tier, tier)
         for tier, s in stats.storage.items():
             b, kind = s.backend, s.kind
             if b.capacity_bytes is not None:
@@ -211,6 +214,7 @@ class HiCacheCollector(Collector):
             ("storage_spilled_pages", stats.spills_to_storage), ("short_retrieves", stats.short_retrieves),
             ("short_retrieve_tokens", stats.short_retrieve_tokens), ("eviction_waits", stats.eviction_waits),
             ("eviction_wait_seconds", stats.eviction_wait_s), ("jobs_in_flight", stats.in_flight),
+            ("sliding_shed_pages", stats.sliding_shed_pages),
         ):
             add(name, value)
         for queue, n in stats.queue_depths.items():
