@@ -60,12 +60,12 @@ def kv_for(config: HiCacheConfig, tokens: list[int]) -> torch.Tensor:
     """``[C, L, T, H, D]`` KV that depends only on the prefix ending at each position."""
     m = config.model
     c, layers, heads, dim = m.kv_components, m.num_layers, m.num_kv_heads, m.head_dim
-    assert c * layers * heads * dim <= 128
     h, hashes = 7, []
     for tok in tokens:
         h = (h * 31 + tok + 1) % 65521
         hashes.append(h)
-    offsets = torch.arange(c * layers * heads * dim, dtype=torch.float64).reshape(c, layers, 1, heads, dim)
+    # Wider models (the compact host's) repeat offsets across elements: still one value per prefix.
+    offsets = (torch.arange(c * layers * heads * dim, dtype=torch.float64) % 128).reshape(c, layers, 1, heads, dim)
     base = torch.tensor(hashes, dtype=torch.float64).reshape(1, 1, len(tokens), 1, 1) * 128
     return (base + offsets).to(m.torch_dtype)  # < 2**24: exact in float32
 
@@ -418,6 +418,30 @@ CONFIGS += [
 ]
 
 
+# The same hybrid on a compact host (``tiers/shed.py``): 4 KiB a layer and component, so a page's
+# sliding layers can give their memory back; nodes shed them outside the 3 pages at their end
+# before the host evicts anything, and pages read back thin never hold their memory.
+COMPACT = {"model": {"layers": ["sliding:8", "full", "sliding:8", "full"], "head_dim": 128}}
+COMPACT_PAGE_BYTES = 2 * 4 * PAGE * 2 * 128 * 4
+COMPACT_CONFIGS = [
+    pytest.param(
+        COMPACT | {
+            "policies": {"write": write, "window_slack_tokens": 0},
+            "tiers": {"host": {"compact": True}} | storage,
+        },
+        id=f"compact-hybrid-{write}{'-storage' if storage else ''}",
+    )
+    for write, storage in (
+        ("write_through", {}),
+        ("write_back", {"storage": [{"kind": "memory", "capacity": 48 * COMPACT_PAGE_BYTES}]}),
+        ("write_through", {"storage": [{"kind": "memory", "capacity": 48 * COMPACT_PAGE_BYTES}]}),
+    )
+]
+for param in COMPACT_CONFIGS[-2:]:  # the storage ones prefetch
+    param.values[0]["policies"] |= {"prefetch": "wait_complete", "prefetch_threshold_tokens": 0}
+    param.values[0]["controller"] = {"storage_batch_bytes": 2 * COMPACT_PAGE_BYTES}
+
+
 @pytest.mark.parametrize("overrides", CONFIGS)
 def test_configs_hold_the_intended_pages(overrides: dict[str, Any]) -> None:
     """The nested overrides must not clobber the tiny capacities the programs rely on."""
@@ -477,5 +501,21 @@ def test_random_programs_with_a_host_smaller_than_a_node(
     overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]
 ) -> None:
     config = make_config(DEVICE_PAGES, SMALL_HOST_PAGES, **overrides)
+    pool, ops = program
+    anyio.run(run_program, config, pool, ops)
+
+
+COMPACT_HOST_PAGES = 10  # holds a few nodes whole: host-only nodes longer than their window shed
+
+
+@pytest.mark.parametrize("overrides", COMPACT_CONFIGS)
+@settings(
+    max_examples=MAX_EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(program=program_strategy)
+def test_random_programs_on_a_compact_host(overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]) -> None:
+    config = make_config(DEVICE_PAGES, COMPACT_HOST_PAGES, **overrides)
     pool, ops = program
     anyio.run(run_program, config, pool, ops)
