@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Iterable
+
+import torch
 
 from hicache import HiCache
 from hicache.radix_tree import TreeNode
@@ -49,3 +53,15 @@ def snapshot(cache: HiCache) -> tuple:
     counters = (c.lookups, c.retrieves, c.stores, c.stored_pages, c.dropped_pages, dict(c.evicted_pages),
                 dict(c.bytes_moved))
     return tree, ctl.device.used_pages, ctl.host.used_pages, counters
+
+
+def resident_share(t: torch.Tensor) -> float:
+    """The share of ``t``'s whole memory pages that are resident (``mincore``, Linux)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    start = (t.data_ptr() + page - 1) // page * page
+    length = (t.data_ptr() + t.numel() * t.element_size() - start) // page * page
+    vec = (ctypes.c_ubyte * (length // page))()
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec) / len(vec)

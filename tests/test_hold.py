@@ -14,7 +14,7 @@ import torch
 from hicache import CapacityError, HiCache, InvalidRequestError
 
 from .conftest import make_config, make_kv, make_tokens
-from .helpers import assert_consistent, push_to_storage
+from .helpers import assert_consistent, push_to_storage, resident_share
 
 
 def write_pages(tier, pages: list[int], kv: torch.Tensor, first_token: int, page_size: int) -> None:
@@ -109,21 +109,6 @@ async def test_hold_past_the_cached_prefix_holds_nothing_and_bad_starts_raise() 
         assert_consistent(cache)
 
 
-def _resident_share(t: torch.Tensor) -> float:
-    """The share of ``t``'s memory pages that are resident (``mincore``, Linux)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = mmap.PAGESIZE
-    start = (t.data_ptr() + page - 1) // page * page
-    length = (t.data_ptr() + t.numel() * t.element_size() - start) // page * page
-    vec = (ctypes.c_ubyte * (length // page))()
-    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec) / len(vec)
-
-
 def _kernel_populates() -> bool:
     import ctypes
     import mmap
@@ -150,7 +135,7 @@ async def test_a_prefaulted_host_tier_is_resident_after_open_and_its_contents_ar
     plain = make_config(2, 32768)
     async with HiCache.from_config(plain) as cache:
         assert cache.controller.host.prefault_thread is None
-        fresh = _resident_share(cache.controller.host.buffer) < 0.5
+        fresh = resident_share(cache.controller.host.buffer) < 0.5
     config = make_config(2, 32768, tiers={"host": {"prefault": True}})
     ps = config.page_size
     tokens, kv = make_tokens(8 * ps, seed=5), make_kv(config, 8 * ps, seed=5)
@@ -163,6 +148,6 @@ async def test_a_prefaulted_host_tier_is_resident_after_open_and_its_contents_ar
         host.prefault_thread.join(timeout=60)
         if not _kernel_populates():
             pytest.skip("this kernel does not populate (MADV_POPULATE_WRITE, Linux 5.14+)")
-        assert _resident_share(host.buffer) > 0.99, "prefaulted" if fresh else "reused memory, yet not resident"
+        assert resident_share(host.buffer) > 0.99, "prefaulted" if fresh else "reused memory, yet not resident"
         async with cache.hold(tokens) as held:
             assert torch.equal(read_held(held, kv.shape, ps), kv)

@@ -9,8 +9,6 @@ a shorter hit, never other KV.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from hicache.tiers.base import KVGeometry
 from hicache.tiers.host import HostPool
 
 from .conftest import make_config, make_kv, make_tokens
-from .helpers import assert_consistent
+from .helpers import assert_consistent, resident_share
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_DONTNEED): Linux")
 
@@ -40,18 +38,6 @@ def shed_config(host_pages: int, *, compact: bool | str = "auto", device_pages: 
         device_pages=device_pages, host_pages=host_pages, page_size=PAGE, model=MODEL, tiers=tiers,
         policies={"window_slack_tokens": 0} | over.pop("policies", {}), **over,
     )
-
-
-def resident_share(t: torch.Tensor) -> float:
-    """The share of ``t``'s whole memory pages that are resident (``mincore``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = mmap.PAGESIZE
-    start = (t.data_ptr() + page - 1) // page * page
-    length = (t.data_ptr() + t.numel() * t.element_size() - start) // page * page
-    vec = (ctypes.c_ubyte * (length // page))()
-    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
-    return sum(b & 1 for b in vec) / len(vec)
 
 
 async def retrieved(cache: HiCache, tokens: list[int]) -> tuple[int, torch.Tensor]:

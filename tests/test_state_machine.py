@@ -454,13 +454,17 @@ def test_configs_hold_the_intended_pages(overrides: dict[str, Any]) -> None:
         assert (config.tiers.host.layout, config.io.backend) == ("layer_first", "direct")
 
 
+def fuzzed(test: Any) -> Any:
+    """A test over hypothesis programs, with no deadline (a program runs a whole cache)."""
+    return settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )(given(program=program_strategy)(test))
+
+
 @pytest.mark.parametrize("overrides", CONFIGS)
-@settings(
-    max_examples=MAX_EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(program=program_strategy)
+@fuzzed
 def test_random_programs(overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]) -> None:
     config = make_config(DEVICE_PAGES, HOST_PAGES, **overrides)
     pool, ops = program
@@ -491,12 +495,7 @@ SMALL_HOST_CONFIGS = [
 
 
 @pytest.mark.parametrize("overrides", SMALL_HOST_CONFIGS)
-@settings(
-    max_examples=MAX_EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(program=program_strategy)
+@fuzzed
 def test_random_programs_with_a_host_smaller_than_a_node(
     overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]
 ) -> None:
@@ -509,12 +508,7 @@ COMPACT_HOST_PAGES = 10  # holds a few nodes whole: host-only nodes longer than 
 
 
 @pytest.mark.parametrize("overrides", COMPACT_CONFIGS)
-@settings(
-    max_examples=MAX_EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-@given(program=program_strategy)
+@fuzzed
 def test_random_programs_on_a_compact_host(overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]) -> None:
     config = make_config(DEVICE_PAGES, COMPACT_HOST_PAGES, **overrides)
     pool, ops = program
