@@ -215,3 +215,25 @@ async def test_write_back_to_a_layer_split_tier_sheds_first_and_a_fresh_process_
             assert hit == len(tokens)
             assert torch.equal(got[:, 5], kv[:, 5]) and torch.equal(got[:, :5, window:], kv[:, :5, window:])
         assert_consistent(cache)
+
+
+async def test_pages_read_back_thin_are_never_written_whole_to_a_tier_below(tmp_path: Path) -> None:
+    """A page read thin from a layer-split tier has zeros for its sliding layers: a whole-page tier
+    further down the chain must not store it (a later process would read zeros as KV)."""
+    split = {"kind": "file", "name": "split", "path": str(tmp_path / "split")}
+    whole = {"kind": "file", "name": "whole", "path": str(tmp_path / "whole"), "split_layers": False}
+    policies = {"prefetch": "wait_complete", "prefetch_threshold_tokens": PAGE}
+    config = shed_config(64, tiers={"storage": [split]}, policies=policies, device_pages=48)
+    tokens, kv = make_tokens(40 * PAGE, seed=9), make_kv(config, 40 * PAGE, seed=9)
+    async with HiCache.from_config(config) as cache:
+        await cache.store(tokens, kv)
+        await cache.wait_idle()
+    chain = shed_config(64, tiers={"storage": [split, whole]}, policies=policies, device_pages=48)
+    async with HiCache.from_config(chain) as cache:  # reads the pages thin, writes through to `whole`
+        hit, _ = await retrieved(cache, tokens + [7])
+        assert hit == len(tokens)
+        await cache.wait_idle()
+    below = shed_config(64, tiers={"storage": [whole]}, policies=policies, device_pages=48)
+    async with HiCache.from_config(below) as cache:
+        hit, got = await retrieved(cache, tokens + [7])
+        assert torch.equal(got, kv[:, :, :hit]), "a page stored whole with zeros for its sliding layers"

@@ -502,8 +502,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
                 miss_tokens=c.miss_tokens[tier.name],
                 evicted_pages=c.evicted_pages[tier.name],
                 lost_pages=c.lost_pages[tier.name],
-                shed_pages=getattr(tier, "shed_pages", 0),
-                shed_bytes=getattr(tier.allocator, "shed_bytes", 0),
+                shed_pages=tier.allocator.shed_pages,
+                shed_bytes=tier.allocator.shed_bytes,
             )
             for tier in (ctl.device, ctl.host)
         }

@@ -56,12 +56,10 @@ def consistency_problems(cache: HiCache, pins: Iterable[TreeNode] = (), *, quies
             if len(node.host) != node.num_pages:
                 problems.append(f"{node!r}: {len(node.host)} host pages for {node.num_pages} keys")
             used["host"].update(node.host)
-            is_shed = getattr(ctl.host.allocator, "is_shed", None)
-            if is_shed is not None:
-                # A page whose sliding layers' memory is gone reads zeros there: it must be thin.
-                wrong = [p for i, p in enumerate(node.host) if i >= node.thin and is_shed(p)]
-                if wrong:
-                    problems.append(f"{node!r}: host pages {wrong[:8]} are shed but not thin (thin={node.thin})")
+            # A page whose sliding layers' memory is gone reads zeros there: it must be thin.
+            wrong = [p for p in node.host[node.thin :] if ctl.host.allocator.is_shed(p)]
+            if wrong:
+                problems.append(f"{node!r}: host pages {wrong[:8]} are shed but not thin (thin={node.thin})")
         if quiescent:
             if node.loading is not None or node.backing_up or node.storing:
                 problems.append(f"{node!r} still in flight")
@@ -79,7 +77,7 @@ def consistency_problems(cache: HiCache, pins: Iterable[TreeNode] = (), *, quies
                 break
         if quiescent and tier.used_pages != len(used[name]):
             problems.append(f"{name}: {tier.used_pages} pages allocated but {len(used[name])} referenced (leak)")
-    shed_pages = getattr(ctl.host, "shed_pages", 0)
-    if shed_pages and shed_pages > len(used["host"]) and quiescent:
+    shed_pages = ctl.host.allocator.shed_pages
+    if quiescent and shed_pages > len(used["host"]):
         problems.append(f"host: {shed_pages} pages counted shed, {len(used['host'])} referenced")
     return problems

@@ -68,6 +68,18 @@ class PageAllocator:
     def num_used(self) -> int:
         return self.num_pages - self._runs.num_free
 
+    # Pages held without part of their memory: only a compact host's allocator sheds (shed.py).
+    @property
+    def shed_pages(self) -> int:
+        return 0
+
+    @property
+    def shed_bytes(self) -> int:
+        return 0
+
+    def is_shed(self, page: int) -> bool:
+        return False
+
     def allocate(self, n: int) -> list[int]:
         """Allocate ``n`` pages, all or nothing; ``CapacityError`` if fewer are free."""
         if n < 0:

@@ -86,7 +86,7 @@ class HostPool(MemoryTier):
     @property
     def shed_pages(self) -> int:
         """Pages held now without their sliding layers' memory."""
-        return self.allocator.shed_pages if isinstance(self.allocator, ByteBudgetAllocator) else 0
+        return self.allocator.shed_pages
 
     def shed(self, pages: Sequence[int]) -> None:
         """Give back the memory of ``pages``' sliding layers (they read as zeros from now on).
