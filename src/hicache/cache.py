@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -201,14 +201,20 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
     # -- store ----------------------------------------------------------------------------------
 
-    async def store(self, tokens: Any, kv: torch.Tensor, *, start: int = 0, priority: int = 0) -> StoreResult:
+    async def store(
+        self, tokens: Any, kv: torch.Tensor, *, start: int = 0, priority: int = 0,
+        checkpoints: Iterable[int] | None = None,
+    ) -> StoreResult:
         """Cache the full pages of ``tokens`` that are not cached yet (see ``_store``); timed."""
         started = time.perf_counter()
-        result = await self._store(tokens, kv, start=start, priority=priority)
+        result = await self._store(tokens, kv, start=start, priority=priority, checkpoints=checkpoints)
         self.controller.counters.latency["store"].observe(time.perf_counter() - started)
         return result
 
-    async def _store(self, tokens: Any, kv: torch.Tensor, *, start: int = 0, priority: int = 0) -> StoreResult:
+    async def _store(
+        self, tokens: Any, kv: torch.Tensor, *, start: int = 0, priority: int = 0,
+        checkpoints: Iterable[int] | None = None,
+    ) -> StoreResult:
         """Cache the full pages of ``tokens`` that are not cached yet.
 
         ``kv``: ``[2, num_layers, len(tokens) - start, num_kv_heads, head_dim]`` (MLA: ``[1, L, T, 1, D]``),
@@ -217,6 +223,11 @@ class HiCache(anyio.AsyncContextManagerMixin):
         (``tokens[:start]`` no longer cached) cannot be attached and are dropped.
         Where the new pages go and which copies they are owed is the controller's decision
         (``controller/placement.py``, ``controller/residency.py``): this validates, calls, reports.
+
+        A model with recurrent layers names its ``checkpoints``: the token counts ``L`` (multiples
+        of ``page_size`` in ``(start, len(tokens)]``) after which ``kv`` holds the layers' state,
+        in the ``state`` layers of the page ending at ``L`` (``layer_kinds``). The other pages are
+        cached *thin*: a hit can pass them but never end on them.
         """
         ctl = self.controller
         ctl.check_open()
@@ -229,8 +240,26 @@ class HiCache(anyio.AsyncContextManagerMixin):
             )
         self._check_kv(kv, num_tokens - start)
         _check_priority(priority)
-        placed = await ctl.store(tb, kv, start=start, priority=priority)
+        whole = self._checkpoint_pages(checkpoints, start, num_tokens)
+        placed = await ctl.store(tb, kv, start=start, priority=priority, whole=whole)
         return StoreResult(placed.stored * ps, placed.cached * ps, placed.dropped * ps)
+
+    def _checkpoint_pages(self, checkpoints: Iterable[int] | None, start: int, num_tokens: int) -> frozenset[int] | None:
+        """The pages a store's ``checkpoints`` make whole, validated (``None``: not a recurrent model)."""
+        recurrent = bool(self.config.model.layers.recurrent)
+        if checkpoints is None:
+            return frozenset() if recurrent else None
+        if not recurrent:
+            raise InvalidRequestError("checkpoints are for models with recurrent layers; this model has none")
+        ps = self._page_size
+        out = set()
+        for at in checkpoints:
+            if isinstance(at, bool) or not isinstance(at, int) or at % ps or not start < at <= num_tokens:
+                raise InvalidRequestError(
+                    f"a checkpoint is a multiple of page_size ({ps}) in ({start}, {num_tokens}], got {at!r}"
+                )
+            out.add(at // ps - 1)
+        return frozenset(out)
 
     # -- retrieve -------------------------------------------------------------------------------
 

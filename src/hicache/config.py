@@ -473,6 +473,10 @@ class PoliciesConfig(BaseModel):
     #: before each prefix end and of this many tokens more, so a prompt that branches off that
     #: close before the end of a stored one (a second question on a document) is a hit there.
     window_slack_tokens: _Int = Field(default=128, ge=0)
+    #: A recurrent model's engine checkpoints its layers' state every this many tokens (rounded
+    #: down to whole pages) besides where each stored prompt ends: a prompt that branches off a
+    #: stored one recomputes at most this much more. 0: checkpoints at prompt ends only.
+    checkpoint_interval_tokens: _Int = Field(default=256, ge=0)
 
 
 class IOConfig(BaseModel):
@@ -575,10 +579,26 @@ class HiCacheConfig(BaseModel):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @property
-    def page_bytes(self) -> int:
-        """Bytes one page of KV occupies in a tier (all layers, K and V where present)."""
+    def slot_bytes(self) -> int:
+        """Bytes of one layer of one page (K and V where present)."""
         m = self.model
-        return m.kv_components * m.num_layers * self.page_size * m.num_kv_heads * m.head_dim * m.itemsize
+        return m.kv_components * self.page_size * m.num_kv_heads * m.head_dim * m.itemsize
+
+    @property
+    def cache_layers(self) -> LayerKinds:
+        """The layers of a page: the model's, each recurrent one as its checkpoint's ``state``
+        layers (``LayerKinds.cache_layers``); empty when every layer is full attention."""
+        return self.model.layers.cache_layers(self.slot_bytes)
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers of a page: ``model.num_layers`` unless some are recurrent."""
+        return len(self.cache_layers) if self.model.layers.recurrent else self.model.num_layers
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page of KV occupies in a tier (all cache layers, K and V where present)."""
+        return self.num_cache_layers * self.slot_bytes
 
     @field_validator("tenant_key", mode="before")
     @classmethod

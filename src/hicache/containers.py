@@ -102,7 +102,7 @@ def geometry_from_config(config: HiCacheConfig) -> KVGeometry:
     m = config.model
     return KVGeometry(
         components=m.kv_components,
-        num_layers=m.num_layers,
+        num_layers=config.num_cache_layers,
         page_size=config.page_size,
         num_kv_heads=m.num_kv_heads,
         head_dim=m.head_dim,
@@ -149,9 +149,9 @@ def storage_tier_from_entry(
     backend = cls(**entry.options, **extra)
     parts = tier_part_codecs(config, codec, entry)
     if parts is not None:
-        kinds = config.model.layers
+        kinds = config.cache_layers
         return LayerSplitTier(
-            entry.tier_name, backend, *parts, host, full_layers=kinds.full, sliding_layers=kinds.sliding,
+            entry.tier_name, backend, *parts, host, full_layers=kinds.full, sliding_layers=kinds.partial,
             window_pages=kinds.window_pages(config.page_size), batch_pages=batch_pages,
         )
     return StorageTier(entry.tier_name, backend, tier_page_codec(codec, entry), host, batch_pages=batch_pages)
@@ -163,27 +163,36 @@ def tier_part_codecs(
     """The codecs of a layer-split tier's two parts (full layers, sliding layers), or ``None`` where
     the tier keeps whole pages: a model without both kinds, ``split_layers: false``, or a backend
     of one page size only."""
-    kinds = config.model.layers
+    kinds = config.cache_layers
     if not (kinds.splits and entry.split_layers and resolve_backend(entry.kind).variable_size_pages):
+        if config.model.layers.recurrent:
+            # A whole page would carry a thin page's zeros as if they were its checkpoint.
+            raise ConfigError(
+                f"storage tier {entry.tier_name}: a model with recurrent layers keeps its checkpoints in a "
+                f"layer-split tier only (split_layers: true, on a backend of variable page sizes; "
+                f"{entry.kind!r} with split_layers: {entry.split_layers} is not one)"
+            )
         return None
+    if config.model.layers.recurrent and any(stage.kind == "int8" for stage in entry.codec):
+        raise ConfigError(f"storage tier {entry.tier_name}: a lossy codec would change recurrent checkpoints' bytes")
 
     def part(layers: tuple[int, ...], name: str) -> PageCodec:
         geometry = dataclasses.replace(codec.geometry, num_layers=len(layers))
         return tier_page_codec(dataclasses.replace(codec, geometry=geometry, part=f"layers:{name}"), entry)
 
-    return part(kinds.full, "full"), part(kinds.sliding, "sliding")
+    return part(kinds.full, "full"), part(kinds.partial, "sliding")
 
 
 def window_pages_from_config(config: HiCacheConfig) -> int:
     """Pages before a hit's end whose sliding layers it needs, where some tier may keep them thin."""
-    kinds = config.model.layers
+    kinds = config.cache_layers
     return kinds.window_pages(config.page_size) if kinds.splits else 0
 
 
 def shed_layers_from_config(config: HiCacheConfig) -> tuple[int, ...]:
     """The layers a compact host's pages may shed (sliding ones, where some layers stay full)."""
-    kinds = config.model.layers
-    return kinds.sliding if kinds.splits else ()
+    kinds = config.cache_layers
+    return kinds.partial if kinds.splits else ()
 
 
 def window_slack_pages_from_config(config: HiCacheConfig) -> int:
@@ -322,7 +331,8 @@ class Container(containers.DeclarativeContainer):
         max_prefetches=config.provided.controller.max_prefetches,
         alloc_wait_s=config.provided.controller.alloc_wait_s,
         window_slack_pages=providers.Callable(window_slack_pages_from_config, config),
-        sliding_layers=config.provided.model.layers.sliding,
+        sliding_layers=providers.Callable(shed_layers_from_config, config),
+        checkpoints=providers.Callable(lambda c: bool(c.model.layers.recurrent), config),
         writes_storage=namespace.provided.writes_storage,
     )
 

@@ -94,6 +94,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         writes_storage: bool = True,
         window_slack_pages: int = 0,
         sliding_layers: Sequence[int] = (),
+        checkpoints: bool = False,
     ) -> None:
         self.tree = tree
         self.device = device
@@ -117,8 +118,10 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.alloc_wait_s = alloc_wait_s
         self.sliding_layers = tuple(sliding_layers)  # a store fills the window of pages held thin
         self.window_slack_pages = window_slack_pages  # policies.window_slack_tokens, in pages
+        self.checkpoints = checkpoints  # a recurrent model: pages are whole only at checkpoints
         self.storage_writer = StorageWriter(
-            tree, self.storage, self.counters, device.geometry.page_bytes, slack_pages=window_slack_pages
+            tree, self.storage, self.counters, device.geometry.page_bytes, slack_pages=window_slack_pages,
+            checkpoints=checkpoints,
         )
         # Reads the live list: storage tiers come and go (attach_storage / detach_storage).
         # writes_storage=False: a rank whose shared pages another rank writes (Namespace.writes_storage).
@@ -175,7 +178,7 @@ class CacheController(anyio.AsyncContextManagerMixin):
         self.placement = Placement(
             tree=self.tree, device=self.device, host=self.host, engine=self.engine, evictor=self.evictor,
             counters=self.counters, limiter=self.limiter, frees_device=self.frees_device, frees_host=self.frees_host,
-            kick_eviction=self.kick_eviction, sliding_layers=self.sliding_layers,
+            kick_eviction=self.kick_eviction, sliding_layers=self.sliding_layers, checkpoints=self.checkpoints,
         )
         self.prefetcher = Prefetcher(
             tree=self.tree, tiers=self.storage, policy=self.prefetch_policy,
@@ -504,9 +507,11 @@ class CacheController(anyio.AsyncContextManagerMixin):
 
     # -- new pages: where they go (placement.py), which copies they are owed (residency.py) ------
 
-    async def store(self, tb: TokenBytes, kv: Any, *, start: int, priority: int) -> Placed:
+    async def store(
+        self, tb: TokenBytes, kv: Any, *, start: int, priority: int, whole: frozenset[int] | None = None
+    ) -> Placed:
         """Place a store's new pages, then queue the copies down they are owed: ``HiCache.store``."""
-        placed = await self.placement.store(tb, kv, start=start, priority=priority)
+        placed = await self.placement.store(tb, kv, start=start, priority=priority, whole=whole)
         await self.owe_copies(placed.nodes)
         return placed
 

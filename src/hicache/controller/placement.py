@@ -44,6 +44,7 @@ class Insertion:
     at: int = 0  # the page index of the first unplaced page
     unplaced_device: list[int] = field(default_factory=list)
     unplaced_host: list[int] = field(default_factory=list)
+    whole: frozenset[int] | None = None  # a recurrent model's store: the pages holding checkpoints
 
     @property
     def stored(self) -> int:
@@ -81,9 +82,12 @@ class Placement:
         frees_host: JobTracker,
         kick_eviction: Callable[[], None],
         sliding_layers: tuple[int, ...] = (),
+        checkpoints: bool = False,
     ) -> None:
         self.tree = tree
         self.sliding_layers = sliding_layers
+        #: A recurrent model: a page is whole only where its store gave it a checkpoint.
+        self.checkpoints = checkpoints
         self.device = device
         self.host = host
         self.engine = engine
@@ -97,9 +101,15 @@ class Placement:
 
     # -- the two ways pages arrive ----------------------------------------------------------------
 
-    async def store(self, tb: TokenBytes, kv: Any, *, start: int, priority: int) -> Placed:
+    async def store(
+        self, tb: TokenBytes, kv: Any, *, start: int, priority: int, whole: frozenset[int] | None = None
+    ) -> Placed:
         """Place the full pages of ``tb`` not cached yet, their KV copied from ``kv`` (the KV of
-        ``tb[start:]``, validated by the caller; ``start`` a multiple of the page size)."""
+        ``tb[start:]``, validated by the caller; ``start`` a multiple of the page size). A recurrent
+        model's store names the pages ``kv`` holds a checkpoint for (``whole``); the others are
+        placed thin (``TreeNode.thin``), so no hit ends on them."""
+        if self.checkpoints and whole is None:
+            whole = frozenset()
         counters = self.counters
         counters.stores += 1
         ps = self.tree.page_size
@@ -107,7 +117,7 @@ class Placement:
         # A hybrid's store may fill thin pages up to where its prompt leaves the index: a node
         # ends there, so filled pages never sit behind thin ones of the same node.
         match = self.tree.match(tb, split=bool(self.sliding_layers and self.tree.window_pages))
-        self._fill_thin(match.path, kv, start // ps)
+        self._fill_thin(match.path, kv, start // ps, whole)
         if match.pages >= full:
             self.tree.touch(match.path)
             return Placed([], 0, full, 0)
@@ -136,7 +146,7 @@ class Placement:
                     self.device.allocator.free(dev)
                     self.host.allocator.free(host)
                     raise
-                inserted = self.insert_pages(tb, first, dev, host, priority)
+                inserted = self.insert_pages(tb, first, dev, host, priority, whole=whole)
             # The prefix may have left the device meanwhile: then our device pages move to the host.
             placed = await self.place_unplaced(tb, inserted, priority)
         finally:
@@ -164,11 +174,14 @@ class Placement:
         self.kick_eviction()
         return Placed(placed.nodes, placed.stored, placed.duplicates, placed.dropped)
 
-    def _thin_in_window(self, path: list[TreeNode], first: int) -> list[tuple[TreeNode, int, int]]:
+    def _thin_in_window(
+        self, path: list[TreeNode], first: int, whole: frozenset[int] | None = None
+    ) -> list[tuple[TreeNode, int, int]]:
         """The nodes of ``path`` whose thin pages lie in the window before its end, from page
         ``first`` on: ``(node, its first page, the first page to fill)``; each to fill up to the
         end of its thin run, so its thin pages stay its leading ones. A node with a copy between
-        tiers in flight is left thin (that copy could carry the zeros back over)."""
+        tiers in flight is left thin (that copy could carry the zeros back over). A recurrent
+        model's page is filled only from a checkpoint (in ``whole``)."""
         window = self.tree.window_pages
         if not (window and self.sliding_layers and path):
             return []
@@ -180,15 +193,17 @@ class Placement:
             begin, at = at, at + node.num_pages
             lo = max(begin, low)
             if lo < begin + node.thin and node.loading is None and not node.backing_up:
+                if self.checkpoints and not all(p in (whole or ()) for p in range(lo, begin + node.thin)):
+                    continue
                 out.append((node, begin, lo))
         return out
 
-    def _fill_thin(self, path: list[TreeNode], kv: Any, start_page: int) -> None:
+    def _fill_thin(self, path: list[TreeNode], kv: Any, start_page: int, whole: frozenset[int] | None) -> None:
         """Give the thin pages in the window before the end of ``path`` (the cached part of a
         store's prompt) their sliding layers from ``kv`` (the KV of pages ``start_page..``), so
         that end, where the prompt's new pages branch off, is a hit again and storage can be
         written its window. Synchronous: nothing is freed or copied under it."""
-        for node, begin, lo in self._thin_in_window(path, start_page):
+        for node, begin, lo in self._thin_in_window(path, start_page, whole):
             thin_end = begin + node.thin
             for pool, pages in ((self.device, node.device), (self.host, node.host)):
                 if pages is not None:
@@ -199,10 +214,12 @@ class Placement:
             node.thin = lo - begin
             self.tree.note(node)
 
-    def _fill_thin_from(self, path: list[TreeNode], first: int, slots: list[tuple[bool, int]]) -> None:
+    def _fill_thin_from(
+        self, path: list[TreeNode], first: int, slots: list[tuple[bool, int]], whole: frozenset[int] | None
+    ) -> None:
         """As ``_fill_thin``, from pages an engine wrote in place that turn out cached already
         (``slots``: pages ``first..`` of the prompt, about to be freed as duplicates)."""
-        for node, begin, lo in self._thin_in_window(path, first):
+        for node, begin, lo in self._thin_in_window(path, first, whole):
             thin_end = begin + node.thin
             if thin_end > first + len(slots):
                 continue  # the thin run goes on past what was written: it could not end thin
@@ -240,7 +257,8 @@ class Placement:
     # -- the index ------------------------------------------------------------------------------
 
     def insert_pages(
-        self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0
+        self, tb: TokenBytes, first: int, dev: list[int], host: list[int], priority: int = 0, *,
+        whole: frozenset[int] | None = None,
     ) -> Insertion:
         """Publish pages holding pages ``first..`` of ``tb`` (device ones first) in the index.
 
@@ -248,7 +266,8 @@ class Placement:
         freed (``duplicates``); pages that cannot be attached after a gap are freed (``dropped``).
         Device pages whose parent is host-only are not attached (device residency is
         prefix-closed): they and the host pages after them come back in ``unplaced`` with the
-        node they go under, for ``place_unplaced`` to move to the host.
+        node they go under, for ``place_unplaced`` to move to the host. ``whole``: a recurrent
+        model's checkpoint pages; a node is cut after each, the others are thin (its leading pages).
         """
         tree = self.tree
         pb = tree.page_bytes
@@ -263,7 +282,7 @@ class Placement:
             return Insertion(dropped=len(slots))
         duplicates = match.pages - first
         if duplicates:
-            self._fill_thin_from(match.path, first, slots[:duplicates])
+            self._fill_thin_from(match.path, first, slots[:duplicates], whole)
         self._free_slots(slots[:duplicates])
         rest = slots[duplicates:usable]
         pos = first + duplicates
@@ -271,16 +290,17 @@ class Placement:
         keep_host = [p for on_dev, p in rest if not on_dev]
         if keep_dev and parent is not tree.root and parent.device is None:
             return Insertion(duplicates=duplicates, dropped=len(slots) - usable, parent=parent, at=pos,
-                             unplaced_device=keep_dev, unplaced_host=keep_host)
+                             unplaced_device=keep_dev, unplaced_host=keep_host, whole=whole)
         nodes: list[TreeNode] = []
         for pages, attr in ((keep_dev, "device"), (keep_host, "host")):
-            if not pages:
-                continue
-            node = tree.extend(parent, tb[pos * pb : (pos + len(pages)) * pb])
-            setattr(node, attr, pages)
-            node.priority = priority
-            nodes.append(node)
-            parent, pos = node, pos + len(pages)
+            for run in _checkpoint_runs(pages, pos, whole):
+                node = tree.extend(parent, tb[pos * pb : (pos + len(run)) * pb])
+                setattr(node, attr, run)
+                node.priority = priority
+                if whole is not None:
+                    node.thin = len(run) - (pos + len(run) - 1 in whole)
+                nodes.append(node)
+                parent, pos = node, pos + len(run)
         return Insertion(nodes=nodes, duplicates=duplicates, dropped=len(slots) - usable)
 
     def _free_slots(self, slots: list[tuple[bool, int]]) -> None:
@@ -316,7 +336,7 @@ class Placement:
                 # The host is full of leased pages: what follows the gap cannot be attached.
                 self.host.allocator.free(after)
                 after = []
-            second = self.insert_pages(tb, result.at, [], host_pages + after, priority)
+            second = self.insert_pages(tb, result.at, [], host_pages + after, priority, whole=result.whole)
         finally:
             pin.release()
         gap = len(moving) - len(host_pages) + len(result.unplaced_host) - len(after)
@@ -324,3 +344,16 @@ class Placement:
             nodes=second.nodes, duplicates=result.duplicates + second.duplicates,
             dropped=result.dropped + second.dropped + gap,
         )
+
+
+def _checkpoint_runs(pages: list[int], first: int, whole: frozenset[int] | None) -> list[list[int]]:
+    """``pages`` (pages ``first..`` of a prompt) cut after each checkpoint page in ``whole``, so
+    each run's only whole page is its last: thin pages stay a node's leading ones."""
+    if whole is None or not pages:
+        return [pages] if pages else []
+    runs: list[list[int]] = [[]]
+    for i, page in enumerate(pages):
+        runs[-1].append(page)
+        if first + i in whole and i + 1 < len(pages):
+            runs.append([])
+    return runs

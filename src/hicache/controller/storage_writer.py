@@ -30,12 +30,14 @@ __all__ = ["StorageWriter"]
 class StorageWriter:
     def __init__(
         self, tree: HiRadixTree, tiers: list[StorageTier], counters: Counters, page_bytes: int, *,
-        slack_pages: int = 0,
+        slack_pages: int = 0, checkpoints: bool = False,
     ) -> None:
         self.tree = tree
         #: The pages before a hit's end whose sliding layers a layer-split tier keeps: the window,
         #: and ``slack_pages`` more for ends a little before it (``policies.window_slack_tokens``).
-        self.tail_pages = tree.window_pages + slack_pages if tree.window_pages else 0
+        #: A recurrent model's whole pages are its checkpoints, already few: each one is written.
+        self.checkpoints = checkpoints
+        self.tail_pages = tree.window_pages + slack_pages if tree.window_pages and not checkpoints else 0
         self.tiers = tiers
         self.counters = counters
         self.page_bytes = page_bytes
@@ -84,7 +86,9 @@ class StorageWriter:
         """The last pages of ``node`` (and its ancestors) in the window and slack (``tail_pages``)
         of the nearest possible hit end at or below it: a leaf (a prompt ended there) or a branch
         point. A node with one child (a store placed on two tiers, a prefill stored in chunks) is
-        no such end itself."""
+        no such end itself. A recurrent model's node: all of it (its checkpoints)."""
+        if self.checkpoints:
+            return node.num_pages
         tail = self.tail_pages
         below, cur = 0, node
         while tail and len(cur.children) == 1:
