@@ -37,7 +37,8 @@ from .attention import available as segments_available
 from .attention import using_segments
 from .gate import ComputeGate
 from .prefix_cache import BufferPool, KVBuffers, PrefixCache, layer_tensors
-from .spec import ModelSpec
+from .recurrent import State, pack, restored_layer, snapshot, unpack
+from .spec import ModelSpec, cache_keyword
 
 if TYPE_CHECKING:
     from ...cache import HiCache, Hit, StoreResult
@@ -62,6 +63,13 @@ class CachedCausalLM:
     lies in the device pages instead. That saves the copy but costs more than it saves on the CPU:
     a flash call and a merge per run of pages, in every layer of the prefill and of every decode
     step (``benchmarks/prefix_attention.py``).
+
+    A model with recurrent layers (``layer_kinds``) continues only from a checkpoint of their
+    state: the prefill runs in chunks that end where one is due (every
+    ``policies.checkpoint_interval_tokens``, where the prompt's last page ends, and one page
+    before), copies the state there, and ``store`` hands those checkpoints to the cache; a decode
+    step that ends a page copies it too. Such a sequence asks the cache for its prompt less the
+    last token, so the hit it gets is one it can continue from and still compute that token.
     """
 
     def __init__(
@@ -86,7 +94,7 @@ class CachedCausalLM:
             cache.controller.yield_to_compute = self.gate.wait_no_prefill
         self.layerwise = layerwise
         params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # 5.x / 4.5x
+        self._cache_kw = cache_keyword(model)  # 5.x / 4.5x
         self._logits_kw = "logits_to_keep" if "logits_to_keep" in params else None
         self.device = next(model.parameters()).device
         available = segments_available(self.device)
@@ -105,10 +113,24 @@ class CachedCausalLM:
         self.vocab_size: int | None = getattr(text, "vocab_size", None)
         spec = self.spec
         self.buffers = BufferPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, self.device)
+        #: Recurrent layers (model layer indices), and where each model layer lies in a page.
+        self.recurrent = spec.layers.recurrent
+        self.slots = spec.layers.slots(cache.config.slot_bytes) if cache is not None else ()
+        self.num_cache_layers = cache.config.num_cache_layers if cache is not None else spec.num_layers
+        every = cache.config.policies.checkpoint_interval_tokens if cache is not None else 0
+        self.checkpoint_every = every // cache.page_size * cache.page_size if cache is not None else 0
+
+    def page_layer(self, layer: int) -> int:
+        """The cache layer that holds model layer ``layer``'s KV (the same index unless some are recurrent)."""
+        return self.slots[layer][0] if self.slots else layer
+
+    def _asked(self, tokens: Seq[int]) -> Seq[int]:
+        """What to look up for a prompt: a recurrent model's, less its last token (see the class)."""
+        return tokens[:-1] if self.recurrent else tokens
 
     async def lookup(self, tokens: Seq[int]) -> Hit | None:
         """Ask the cache how much of ``tokens`` it holds; starts a prefetch from storage if worth it."""
-        return None if self.cache is None else await self.cache.lookup(tokens)
+        return None if self.cache is None else await self.cache.lookup(self._asked(list(tokens)))
 
     @asynccontextmanager
     async def sequence(
@@ -131,7 +153,7 @@ class CachedCausalLM:
                     seq.close()
                 return
             started = time.perf_counter()
-            async with self.cache.retrieve(prompt) as view:
+            async with self.cache.retrieve(self._asked(prompt)) as view:
                 seq = Sequence(self, prompt, view, buffers)
                 seq.stages["retrieve"] = time.perf_counter() - started
                 try:
@@ -187,7 +209,8 @@ class Sequence:
         self.by_tier: Mapping[str, int] = MappingProxyType(dict(view.by_tier) if view is not None else {})
         self.logits: torch.Tensor | None = None
         self.stages: dict[str, float] = dict.fromkeys(self.STAGES, 0.0)
-        self.restore_wait_by_layer: list[float] = [0.0] * lm.spec.num_layers
+        self.restore_wait_by_layer: list[float] = [0.0] * lm.num_cache_layers
+        self._snapshots: dict[int, dict[int, State]] = {}  # checkpoints not stored yet, by token count
         self._kv: Any = None
         self._computed = 0  # tokens whose KV is in self._kv
         self._stored = view.tokens if view is not None else 0  # tokens (whole pages) the cache has from us
@@ -233,9 +256,12 @@ class Sequence:
         start = self._stored
         kv = await self._compute(ComputeGate.DECODE, "store", self._export, start, end)
         self._stored = end
+        checkpoints = sorted(c for c in self._snapshots if start < c <= end) if self.lm.recurrent else None
+        for c in [c for c in self._snapshots if c <= end]:
+            del self._snapshots[c]
         started = time.perf_counter()
         try:
-            return await cache.store(self.tokens[:end], kv, start=start)
+            return await cache.store(self.tokens[:end], kv, start=start, checkpoints=checkpoints)
         finally:
             self.stages["store"] += time.perf_counter() - started
 
@@ -271,22 +297,67 @@ class Sequence:
         kwargs: dict[str, Any] = {}
         if n > 0:
             kwargs = {"prefix": self._prefix_views} if lm.attend_in_pages else {"restore": self._restore_layer}
+        if lm.recurrent:
+            kwargs["linear"] = self._recurrent_layers(n)
         return PrefixCache(lm.model.config, self._live(), lm.spec.num_layers, restored=n, segments=lm.segments,
                            lazy=lazy, **kwargs)
+
+    def _recurrent_layers(self, n: int) -> dict[int, Any]:
+        """The recurrent layers' cache layers: fresh, or from the checkpoint after the prefix's
+        ``n`` tokens (the ``state`` layers of its last page)."""
+        from transformers.cache_utils import LinearAttentionLayer
+
+        lm = self.lm
+        if n == 0:
+            return {i: LinearAttentionLayer() for i in lm.recurrent}
+        pool = self._pool
+        assert pool is not None and self._view is not None
+        page = self._view.device_pages[n // lm.cache.page_size - 1]  # type: ignore[union-attr]
+        out = {}
+        for i in lm.recurrent:
+            first, count = lm.slots[i]
+            for j in range(first, first + count):
+                self._wait_layer(j)
+            started = time.perf_counter()
+            state = unpack(lm.spec.layers[i], pool[:, first : first + count, page])
+            out[i] = restored_layer(state, n, lm.spec.layers[i])
+            self.stages["restore_copy"] += time.perf_counter() - started
+        return out
+
+    def _checkpoint_ends(self, start: int, end: int) -> list[int]:
+        """Where a prefill of tokens ``start..end`` stops to copy a checkpoint: interval multiples,
+        the prompt's last page end and the one before it (a repeat of this prompt continues there)."""
+        lm = self.lm
+        if not lm.recurrent or lm.cache is None:
+            return []
+        ps = lm.cache.page_size
+        ends = {end // ps * ps, (end - 1) // ps * ps}
+        if lm.checkpoint_every:
+            ends |= set(range(lm.checkpoint_every, end + 1, lm.checkpoint_every))
+        return sorted(e for e in ends if start < e <= end)
 
     def _prefill(self) -> torch.Tensor:
         n = self.cached_tokens
         lm = self.lm
         kv = self._kv if self._kv is not None else self._model_cache(lm.layerwise)
-        logits = lm.forward(self.tokens[n:], kv)
+        at = n
+        end = len(self.tokens)
+        logits = None
+        for stop in self._checkpoint_ends(n, end):
+            logits = lm.forward(self.tokens[at:stop], kv)
+            self._snapshots[stop] = snapshot(kv, lm.recurrent)
+            at = stop
+        if at < end:
+            logits = lm.forward(self.tokens[at:], kv)
+        assert logits is not None
         self._kv = kv
-        self._computed = len(self.tokens)
+        self._computed = end
         # The forward's own time excludes what restoring took (timed separately).
         self.stages["prefill_compute"] -= self.stages["restore_wait"] + self.stages["restore_copy"]
         return logits
 
     def _wait_layer(self, layer: int) -> None:
-        """Block until the load-back has brought ``layer`` of the prefix (timed)."""
+        """Block until the load-back has brought cache layer ``layer`` of the prefix (timed)."""
         view = self._view
         assert view is not None
         if not view.is_layer_ready(layer):
@@ -298,6 +369,7 @@ class Sequence:
 
     def _prefix_views(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Layer ``layer`` of the prefix as views ``[1, H, n, D]`` of the device pages, one per run."""
+        layer = self.lm.page_layer(layer)
         self._wait_layer(layer)
         pool = self._pool
         assert pool is not None
@@ -312,6 +384,7 @@ class Sequence:
     def _restore_layer(self, layer: int, kv: torch.Tensor) -> None:
         """Copy layer ``layer`` of the prefix from the device pages into the model's cache
         (``kv``: ``[2, 1, H, capacity, D]``), keys and values of a run of pages in one copy."""
+        layer = self.lm.page_layer(layer)
         self._wait_layer(layer)
         pool = self._pool
         assert pool is not None
@@ -325,24 +398,48 @@ class Sequence:
 
     def _step(self, token: int) -> torch.Tensor:
         self._live()
-        logits = self.lm.forward([token], self._kv)
+        lm = self.lm
+        logits = lm.forward([token], self._kv)
         self._computed += 1
+        if lm.recurrent and lm.cache is not None and self._computed % lm.cache.page_size == 0:
+            # A page ended: its checkpoint, for the next store. The previous page's goes unless
+            # an interval wants it (at most one such copy waits beside the interval ones).
+            last = self._computed - lm.cache.page_size
+            if last in self._snapshots and last > self._stored and not (
+                lm.checkpoint_every and last % lm.checkpoint_every == 0
+            ):
+                del self._snapshots[last]
+            self._snapshots[self._computed] = snapshot(self._kv, lm.recurrent)
         return logits
 
     def _export(self, start: int, end: int) -> torch.Tensor:
-        """KV of tokens ``start..end`` as ``[2, L, end - start, H, D]`` for ``HiCache.store``."""
-        spec = self.lm.spec
-        cache = self.lm.cache
+        """KV of tokens ``start..end`` as ``[2, L, end - start, H, D]`` for ``HiCache.store`` (``L``:
+        cache layers); a recurrent layer's checkpoints go in the ``state`` layers of the pages they
+        end, and are zero elsewhere."""
+        lm = self.lm
+        spec = lm.spec
+        cache = lm.cache
         assert cache is not None
-        out = torch.empty(
-            (2, spec.num_layers, end - start, spec.num_kv_heads, spec.head_dim),
+        new = torch.zeros if lm.recurrent else torch.empty
+        out = new(
+            (2, lm.num_cache_layers, end - start, spec.num_kv_heads, spec.head_dim),
             dtype=cache.config.model.torch_dtype,
             device=cache.device_kv.device,
         )
+        recurrent = set(lm.recurrent)
         for layer in range(spec.num_layers):
+            if layer in recurrent:
+                continue
             k, v = layer_tensors(self._kv, layer)
-            out[0, layer].copy_(k[0, :, start:end].transpose(0, 1))
-            out[1, layer].copy_(v[0, :, start:end].transpose(0, 1))
+            at = lm.page_layer(layer)
+            out[0, at].copy_(k[0, :, start:end].transpose(0, 1))
+            out[1, at].copy_(v[0, :, start:end].transpose(0, 1))
+        ps = cache.page_size
+        for c, states in self._snapshots.items():
+            if start < c <= end:
+                for i, state in states.items():
+                    first, count = lm.slots[i]
+                    pack(state, out[:, first : first + count, c - ps - start : c - start])
         return out
 
 

@@ -23,7 +23,7 @@ segment mode, where the buffer's first ``restored`` slots stay unused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -189,12 +189,14 @@ class PrefixCache(DynamicCache):
     views of it instead (segment mode only). ``segments``: ``update`` returns ``Segments`` for
     ``segment_attention`` rather than tensors. With ``lazy=False`` every layer's prefix is put in
     place before the forward starts. ``config`` (the model's) is not read: the layers are all this
-    module's full-attention buffers (sliding-window models are refused before).
+    module's full-attention buffers (sliding-window models attend over them with their own masks),
+    except the layers in ``linear``: a recurrent layer's cache layer (``recurrent.py``), fresh or
+    continuing from a checkpoint.
     """
 
     def __init__(self, config: Any, buffers: KVBuffers, num_layers: int, *, restored: int = 0,
                  restore: RestoreLayer | None = None, prefix: PrefixViews | None = None,
-                 segments: bool = False, lazy: bool = True) -> None:
+                 segments: bool = False, lazy: bool = True, linear: Mapping[int, Any] | None = None) -> None:
         super().__init__()  # not DynamicCache(config=): it builds layers we replace, and costs 1 ms a prefill
         if restore is not None and prefix is not None:
             raise ValueError("give restore (copy the prefix in) or prefix (views of it), not both")
@@ -205,8 +207,11 @@ class PrefixCache(DynamicCache):
             raise ValueError(f"{restored} restored tokens do not fit a buffer of {buffers.capacity}")
         if not (restore or prefix):
             restored = 0
-        layers = []
+        layers: list[Any] = []
         for i in range(num_layers):
+            if linear is not None and i in linear:
+                layers.append(linear[i])
+                continue
             k, v = buffers.keys(i), buffers.values(i)
             fill = (lambda i=i: restore(i, buffers.layer(i))) if restore is not None and restored else None
             views = (lambda i=i: prefix(i)) if prefix is not None and restored else None
@@ -219,7 +224,8 @@ class PrefixCache(DynamicCache):
 
     def restore_all(self) -> None:
         for layer in self.layers:
-            layer.restore()
+            if isinstance(layer, _Layer):
+                layer.restore()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         return self.layers[layer_idx].update(key_states, value_states)

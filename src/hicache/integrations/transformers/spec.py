@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from ...layer_kinds import LayerKinds, from_hf_config
 if TYPE_CHECKING:
     from ...config import HiCacheConfig
 
-__all__ = ["ModelSpec", "model_fingerprint", "model_overrides"]
+__all__ = ["ModelSpec", "cache_keyword", "model_fingerprint", "model_overrides"]
 
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _FINGERPRINT_ATTR = "_hicache_fingerprint"
@@ -29,7 +30,7 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     dtype: str
-    layers: LayerKinds = LayerKinds()  # per layer: full or sliding (empty: every layer full)
+    layers: LayerKinds = LayerKinds()  # per layer: full, sliding or recurrent (empty: every layer full)
 
     @classmethod
     def of(cls, model: Any) -> ModelSpec:
@@ -51,7 +52,7 @@ class ModelSpec:
             num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             dtype=dtype,
-            layers=from_hf_config(type(model).__name__, text),
+            layers=_kinds(model, text),
         )
 
     def check(self, config: HiCacheConfig) -> None:
@@ -67,6 +68,18 @@ class ModelSpec:
             raise UnsupportedModelError(
                 "the cache config does not match the model (build it with model_overrides(model)): " + "; ".join(wrong)
             )
+
+
+def cache_keyword(model: Any) -> str:
+    """The name the model's forward takes its cache by: ``cache`` (transformers 5.x) or ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _kinds(model: Any, text: Any) -> LayerKinds:
+    from .recurrent import layer_kinds  # imports transformers' cache classes
+
+    recurrent = layer_kinds(model, text, cache_keyword(model))
+    return recurrent if recurrent is not None else from_hf_config(type(model).__name__, text)
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
