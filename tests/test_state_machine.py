@@ -59,7 +59,7 @@ PATTERNS = [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 1), (1, 2, 3, 0)]
 def kv_for(config: HiCacheConfig, tokens: list[int]) -> torch.Tensor:
     """``[C, L, T, H, D]`` KV that depends only on the prefix ending at each position."""
     m = config.model
-    c, layers, heads, dim = m.kv_components, m.num_layers, m.num_kv_heads, m.head_dim
+    c, layers, heads, dim = m.kv_components, config.num_cache_layers, m.num_kv_heads, m.head_dim
     h, hashes = 7, []
     for tok in tokens:
         h = (h * 31 + tok + 1) % 65521
@@ -184,6 +184,18 @@ class Machine:
     def was_stored(self, tokens: list[int], n: int) -> bool:
         return n == 0 or any(len(s) >= n and s[:n] == tokens[:n] for s in self.stored)
 
+    def checkpoints(self, tokens: list[int]) -> list[int] | None:
+        """A recurrent model's store: checkpoints after every second page and at the end."""
+        if not self.config.model.layers.recurrent:
+            return None
+        full = len(tokens) // PAGE * PAGE
+        return sorted({*range(2 * PAGE, full + 1, 2 * PAGE), full} - {0})
+
+    def was_checkpointed(self, tokens: list[int], n: int) -> bool:
+        """Whether a store gave the page ending at ``n`` its checkpoint (any hit of a recurrent
+        model must end on one: it continues from that state)."""
+        return n == 0 or (n // PAGE) % 2 == 0 or any(s == tokens[:n] for s in self.stored)
+
     # -- checks ---------------------------------------------------------------------------------
 
     async def check_view(self, view: RetrieveView, tokens: list[int]) -> None:
@@ -204,15 +216,18 @@ class Machine:
             assert n == 0
         await view.wait_all()
         expected = kv_for(self.config, tokens[:n])
-        kinds = self.config.model.layers
+        kinds = self.config.cache_layers
         # A hybrid's sliding layers are exact in the window before the end; before it, a page read
-        # back from a layer-split tier holds zeros there (thin), never other KV.
+        # back from a layer-split tier holds zeros there (thin), never other KV. A recurrent
+        # model's hit ends on a checkpoint (the state layers of its last page), exact.
         window = n - kinds.window_pages(PAGE) * PAGE if kinds.splits else 0
-        for layer in range(self.config.model.num_layers):
+        if self.config.model.layers.recurrent:
+            assert self.was_checkpointed(tokens, n), f"a hit of {n} tokens ends on a page with no checkpoint"
+        for layer in range(self.config.num_cache_layers):
             parts = view.layer(layer)
             assert len(parts) == expected.shape[0]
             for c, part in enumerate(parts):
-                if layer in kinds.sliding and window > 0:
+                if layer in kinds.partial and window > 0:
                     head, want = part[:window], expected[c, layer, :window]
                     assert bool(((head == want) | (head == 0)).all()), f"sliding layer {layer} before the window"
                     part, want = part[window:], expected[c, layer, window:]
@@ -233,7 +248,9 @@ class Machine:
     async def store(self, op: Store) -> None:
         tokens = self.tokens(op.seq, op.cut)
         self.stored.append(tokens[: len(tokens) // PAGE * PAGE])
-        result = await self.cache.store(tokens, kv_for(self.config, tokens), priority=op.priority)
+        result = await self.cache.store(
+            tokens, kv_for(self.config, tokens), priority=op.priority, checkpoints=self.checkpoints(tokens)
+        )
         full = len(tokens) // PAGE * PAGE
         assert result.stored_tokens + result.cached_tokens + result.dropped_tokens == full, result
 
@@ -251,7 +268,7 @@ class Machine:
             # (for lack of device room). A hybrid's hit then ends where a window is whole, which
             # may be inside the device part (its pages there read back thin earlier).
             assert view.tokens <= hit.tokens, (dict(hit.by_tier), view)
-            if not self.config.model.layers.splits:
+            if not self.config.cache_layers.splits:
                 assert hit.by_tier["device"] <= view.tokens, (dict(hit.by_tier), view)
             await self.check_view(view, tokens)
         except BaseException:
@@ -500,6 +517,38 @@ def test_random_programs_with_a_host_smaller_than_a_node(
     overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]
 ) -> None:
     config = make_config(DEVICE_PAGES, SMALL_HOST_PAGES, **overrides)
+    pool, ops = program
+    anyio.run(run_program, config, pool, ops)
+
+
+# A recurrent hybrid (``layer_kinds``): two layers keep a state of 800 and 400 bytes (2 and 1
+# state layers of a page), checkpointed every second page and at each store's end; pages in
+# between, committed pages and pages read back before a segment's end are thin. Its storage
+# tier is layer-split: checkpoints are parts of their own.
+RECURRENT = {"model": {"layers": ["recurrent:s=200/float32", "full", "recurrent:s=100/float32", "full"]}}
+RECURRENT_PAGE_BYTES = 5 * 2 * PAGE * 2 * 8 * 4
+RECURRENT_CONFIGS = [
+    pytest.param(RECURRENT | {"policies": {"write": "write_back", "eviction": "lfu"}}, id="recurrent-write_back"),
+] + [
+    pytest.param(
+        RECURRENT | {
+            "policies": {"write": write, "prefetch": "wait_complete", "prefetch_threshold_tokens": 0},
+            "tiers": {"storage": [{"kind": "memory", "capacity": 48 * RECURRENT_PAGE_BYTES}]},
+            "controller": {"storage_batch_bytes": 2 * RECURRENT_PAGE_BYTES},
+        },
+        id=f"recurrent-{write}-storage",
+    )
+    for write in ("write_through", "write_back")
+]
+
+
+@pytest.mark.parametrize("overrides", RECURRENT_CONFIGS)
+@fuzzed
+def test_random_programs_with_recurrent_checkpoints(
+    overrides: dict[str, Any], program: tuple[list[list[int]], list[Op]]
+) -> None:
+    config = make_config(DEVICE_PAGES, HOST_PAGES, **overrides)
+    assert config.num_cache_layers == 5 and config.page_bytes == RECURRENT_PAGE_BYTES
     pool, ops = program
     anyio.run(run_program, config, pool, ops)
 

