@@ -9,7 +9,7 @@ import pytest
 
 from hicache import ConfigError, load_config
 from hicache.containers import namespace_from_config
-from hicache.layer_kinds import LayerKind, LayerKinds
+from hicache.layer_kinds import STATE, LayerKind, LayerKinds, StateTensor, parse_state
 
 
 def test_every_spelling_of_a_layer_is_the_same_layer() -> None:
@@ -21,6 +21,11 @@ def test_every_spelling_of_a_layer_is_the_same_layer() -> None:
 @pytest.mark.parametrize("bad, says", [
     ("sliding", "sliding:<window>"),
     ("sliding:0", "at least 1"),
+    ("recurrent", "recurrent:<state>"),
+    ("recurrent:conv=64x3", "name=dims/dtype"),
+    ("recurrent:conv=64x0/float32", "name=dims/dtype"),
+    ("recurrent:conv=64x3/int8", "name=dims/dtype"),
+    ({"kind": "full", "state": "s=4/float32"}, "no state"),
     ("sliding:x", "sliding:x"),
     ("full:4", "no window"),
     ("mamba", "unknown layer kind"),
@@ -65,3 +70,32 @@ def test_only_equal_layouts_share_a_namespace_and_all_full_keeps_the_old_one() -
     assert digest([]) == digest(["full", "full"]) == old
     layouts = [["sliding:64", "full"], ["full", "sliding:64"], ["sliding:32", "full"], ["sliding:64"] * 2]
     assert len({digest(x) for x in layouts} | {old}) == len(layouts) + 1
+
+
+def test_a_recurrent_layer_names_its_state_and_takes_the_state_layers_its_bytes_need() -> None:
+    kind = LayerKind.parse("recurrent:conv0=64x3/float32+rec0=4x16x16/bfloat16")
+    assert kind == LayerKind.parse({"kind": "recurrent", "state": "conv0=64x3/float32+rec0=4x16x16/bfloat16"})
+    assert parse_state(kind.state) == (StateTensor("conv0", (64, 3), "float32"), StateTensor("rec0", (4, 16, 16), "bfloat16"))
+    assert kind.state_bytes == 64 * 3 * 4 + 4 * 16 * 16 * 2 == 2816
+    kinds = LayerKinds.parse([kind.text, "full", kind.text])
+    assert kinds.recurrent == (0, 2) and kinds.full == (1,) and kinds.hybrid
+    assert kinds.canonical() == f"{kind.text},full,{kind.text}"
+    # 1,024-byte page slots: 3 state layers each (2,816 bytes); 4,096: one each
+    assert kinds.slots(1024) == ((0, 3), (3, 1), (4, 3))
+    cache = kinds.cache_layers(1024)
+    assert [k.kind for k in cache] == [STATE] * 3 + ["full"] + [STATE] * 3
+    assert cache.partial == (0, 1, 2, 4, 5, 6) and cache.splits and cache.window_pages(16) == 1
+    assert kinds.cache_layers(4096).partial == (0, 2)
+
+
+def test_a_recurrent_layout_loads_sizes_its_pages_by_state_layers_and_is_its_own_namespace() -> None:
+    base = {"model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}, "page_size": 4}
+    plain = load_config(overrides=base, env={})
+    rec = load_config(overrides=base | {"model": base["model"] | {"layers": ["recurrent:s=300/float32", "full"]}}, env={})
+    assert rec.slot_bytes == 2 * 4 * 2 * 8 * 4 == 512
+    assert rec.num_cache_layers == 4 and rec.page_bytes == 4 * 512  # 1,200 bytes of state: 3 layers
+    assert plain.num_cache_layers == 2 and plain.page_bytes == 2 * 512
+    other = load_config(overrides=base | {"model": base["model"] | {"layers": ["recurrent:s=301/float32", "full"]}}, env={})
+    assert len({namespace_from_config(c).digest for c in (plain, rec, other)}) == 3
+    with pytest.raises(ConfigError, match="sliding-window and recurrent"):
+        load_config(overrides=base | {"model": base["model"] | {"layers": ["recurrent:s=3/float32", "sliding:8"]}}, env={})

@@ -13,6 +13,7 @@ import torch
 from hicache import HiCache, UnsupportedModelError
 from hicache.containers import namespace_from_config
 from hicache.integrations.transformers import CachedCausalLM, ModelSpec, model_overrides
+from hicache.layer_kinds import from_hf_config
 
 from .helpers import assert_consistent
 from .lm_helpers import PAGE, full_prefill_logits, greedy, lm_config, prompt, run
@@ -64,15 +65,17 @@ def test_the_layout_is_read_from_the_model_and_separates_namespaces() -> None:
         CachedCausalLM(GEMMA, HiCache.from_config(all_full))
 
 
-def test_layers_with_recurrent_state_are_refused_with_the_reason() -> None:
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+def test_layers_with_recurrent_state_are_refused_where_only_kv_is_cached_with_the_reason() -> None:
+    """Engines' integrations read layouts from the Hugging Face config (``from_hf_config``); only the
+    transformers integration checkpoints recurrent state (tests/test_recurrent_transformers.py)."""
+    from transformers import Qwen3NextConfig
 
     cfg = Qwen3NextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                          num_key_value_heads=1, head_dim=16, vocab_size=1000, num_experts=2,
+                          num_key_value_heads=1, head_dim=16, vocab_size=1000, num_experts=2, num_experts_per_tok=1,
                           moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_key_heads=2,
                           linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
-    with pytest.raises(UnsupportedModelError, match="linear_attention"):
-        ModelSpec.of(Qwen3NextForCausalLM(cfg))
+    with pytest.raises(UnsupportedModelError, match="linear_attention.*transformers integration"):
+        from_hf_config("Qwen3Next", cfg)
 
 
 def test_segment_attention_is_not_used_for_sliding_layers() -> None:

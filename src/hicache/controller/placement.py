@@ -117,7 +117,10 @@ class Placement:
         # A hybrid's store may fill thin pages up to where its prompt leaves the index: a node
         # ends there, so filled pages never sit behind thin ones of the same node.
         match = self.tree.match(tb, split=bool(self.sliding_layers and self.tree.window_pages))
-        self._fill_thin(match.path, kv, start // ps, whole)
+        if self.checkpoints:
+            self._fill_checkpoints(match.path, kv, start // ps, whole or frozenset())
+        else:
+            self._fill_thin(match.path, kv, start // ps, whole)
         if match.pages >= full:
             self.tree.touch(match.path)
             return Placed([], 0, full, 0)
@@ -217,6 +220,32 @@ class Placement:
                     self.engine.user_layers_to_pool(kv, lo - start_page, pool, held, self.sliding_layers)
             node.thin = lo - begin
             self.tree.note(node)
+
+    def _fill_checkpoints(self, path: list[TreeNode], kv: Any, start_page: int, whole: frozenset[int]) -> None:
+        """A recurrent model's store gives the thin pages of its cached prefix the checkpoints it
+        computed there (``whole``; ``kv`` holds pages ``start_page..``): a prompt that once
+        recomputed a stored prefix leaves the states it passed, so the next one branching off
+        inside it continues from there. A node is cut after each page filled, so its thin pages
+        stay its leading ones. Synchronous, as ``_fill_thin``."""
+        at = 0
+        for node in list(path):
+            begin, at = at, at + node.num_pages
+            targets = sorted((p for p in whole if max(begin, start_page) <= p < begin + node.thin), reverse=True)
+            if not targets or node.loading is not None or node.backing_up:
+                continue
+            cur = node
+            for page in targets:
+                cut = page - begin + 1
+                if cut < cur.num_pages:
+                    cur = self.tree.split(cur, cut)  # ``page`` is the prefix part's last
+                for pool, pages in ((self.device, cur.device), (self.host, cur.host)):
+                    if pages is not None:
+                        held = [pages[page - begin]]
+                        if pool is self.host:
+                            self.host.restore(held)
+                        self.engine.user_layers_to_pool(kv, page - start_page, pool, held, self.sliding_layers)
+                cur.thin = page - begin
+                self.tree.note(cur)
 
     def _fill_thin_from(
         self, path: list[TreeNode], first: int, slots: list[tuple[bool, int]], whole: frozenset[int] | None
