@@ -209,3 +209,29 @@ async def test_a_damaged_checkpoint_makes_the_hit_shorter_never_the_answer_diffe
     assert (seq.cached_tokens, corrupt) == want, (seq.cached_tokens, corrupt)
     assert out == greedy(LFM2, asked, 4)
     assert torch.allclose(seq.logits, full_prefill_logits(LFM2, asked + out[:-1]), atol=1e-5)
+
+
+async def test_inspect_lists_checkpoints_as_a_part_of_their_own_and_finds_a_flipped_one(tmp_path: Path) -> None:
+    from hicache.containers import inspection_target
+    from hicache.inspect import summarize, verify
+
+    tokens = prompt(200, seed=30)
+    config = lm_config(LFM2, tmp_path / "pages", **interval(64))
+    async with HiCache.from_config(config) as cache:
+        await run(CachedCausalLM(LFM2, cache), tokens)
+        await cache.wait_idle()
+        victim = _state_part(cache, tokens, 128 // PAGE - 1)
+    raw = bytearray(victim.read_bytes())
+    raw[-3] ^= 4
+    victim.write_bytes(bytes(raw))
+    _, backend, codec = inspection_target(config)
+    assert isinstance(codec, tuple) and [c.part for c in codec] == ["layers:full", "layers:state"]
+    async with backend:
+        summary = await summarize(backend, codec, config, "file", quiet=True)
+        labels = {g.label: g.pages for g in summary.groups}
+        name = f"{config.model.name} rev {config.model.revision}"
+        # 12 pages; checkpoints after 64, 128 and 192 tokens (192: the prompt's last page end)
+        assert labels == {f"this config ({name}), full layers": 12,
+                          f"this config ({name}), checkpoint (recurrent state) layers": 3}, labels
+        report = await verify(backend, codec, "file", quiet=True)
+        assert report.ok == report.ours == 14 and [c.reason for c in report.corrupt] == ["checksum"]

@@ -180,7 +180,8 @@ def tier_part_codecs(
         geometry = dataclasses.replace(codec.geometry, num_layers=len(layers))
         return tier_page_codec(dataclasses.replace(codec, geometry=geometry, part=f"layers:{name}"), entry)
 
-    return part(kinds.full, "full"), part(kinds.partial, "sliding")
+    # A recurrent model's second part holds its checkpoints: a part of its own name (and namespace).
+    return part(kinds.full, "full"), part(kinds.partial, "state" if config.model.layers.recurrent else "sliding")
 
 
 def window_pages_from_config(config: HiCacheConfig) -> int:

@@ -104,6 +104,8 @@ async def summarize(
                     mine = writer_codec(codec, info)
                     if mine is not None:
                         part = mine.part.removeprefix("layers:")
+                        if part == "state":
+                            part = "checkpoint (recurrent state)"
                         label = f"this config ({model})" + (f", {part} layers" if part else "")
                     elif info.version == KEYED_FORMAT_VERSION:
                         label = "keyed: another tenant key or model"
