@@ -184,11 +184,14 @@ class CacheController(anyio.AsyncContextManagerMixin):
             tree=self.tree, tiers=self.storage, policy=self.prefetch_policy,
             threshold_tokens=self.prefetch_threshold_tokens, max_concurrent=self.max_prefetches,
             alloc_host=lambda n: self.evictor.alloc_host(n, partial=True), free_host=self.host.allocator.free,
-            insert_host=lambda tb, first, pages: self.placement.insert_pages(tb, first, [], pages).nodes,
+            insert_host=lambda tb, first, pages, whole=None: self.placement.insert_pages(
+                tb, first, [], pages, whole=whole
+            ).nodes,
             check_open=self.check_open,
             spawn=lambda run: self._task_group.start_soon(self._guard, "prefetch", run),
             counters=self.counters, jobs=self.jobs, page_bytes=self.device.geometry.page_bytes,
             pin_room=self.evictor.wait_pin_room, slack_pages=self.window_slack_pages, shed_host=self.host.shed,
+            checkpoints=self.checkpoints,
         )
         self.chain = StorageChain(
             self.storage, host=self.host, tree=self.tree, writer=self.storage_writer, prefetcher=self.prefetcher,

@@ -149,7 +149,7 @@ class Prefetcher:
         max_concurrent: int,
         alloc_host: Callable[[int], Awaitable[list[int]]],
         free_host: Callable[[list[int]], None],
-        insert_host: Callable[[TokenBytes, int, list[int]], list[TreeNode]],
+        insert_host: Callable[..., list[TreeNode]],
         spawn: Callable[[Callable[[], Awaitable[None]]], None],
         check_open: Callable[[], None],
         counters: Counters,
@@ -158,8 +158,11 @@ class Prefetcher:
         pin_room: Callable[[Callable[[], int]], Awaitable[int]] | None = None,
         slack_pages: int = 0,
         shed_host: Callable[[list[int]], None] = lambda pages: None,
+        checkpoints: bool = False,
     ) -> None:
         self.tree = tree
+        #: A recurrent model: a run read back can end a hit only on a checkpoint (``_checkpoint_run``).
+        self.checkpoints = checkpoints
         self.shed_host = shed_host  # a compact host gives back the memory of pages that came back thin
         # A layer-split tier keeps sliding parts for ``slack_pages`` more before a window: read
         # those that are there, so a prompt branching off a little before the end is a hit too.
@@ -363,26 +366,45 @@ class Prefetcher:
         if not pages:
             op.out_of_room = True  # the host is full of pinned pages (maybe the ones it brought)
             return 0, False
-        self.reserved += len(pages)
-        published = 0
-        attached = True
-
         # A layer-split tier keeps sliding layers for the last pages of what it holds only: the
         # pages of this segment before those come back thin (``TreeNode.thin``).
         start = self._segment_start(op, tier, pos)
         thin_end = max(start, end - tier.window_pages) if tier.window_pages else 0
+        at: list[int] = []  # a recurrent model: the run's pages whose checkpoints the tier holds
+        if self.checkpoints and tier.window_pages:
+            at = await self._checkpoints_in(op, tier, pos, len(pages))
+            if pos + len(pages) < end:
+                # A run short of the segment's end (the host's room) stops on its last checkpoint.
+                keep = at[-1] - pos + 1 if at else 0
+                self.free_host(pages[keep:])
+                if not keep:
+                    op.out_of_room = True  # nothing this run could end a hit on: reading it is no use
+                    return 0, False
+                pages = pages[:keep]
+        self.reserved += len(pages)
+        published = 0
+        attached = True
+        whole: set[int] = set()  # pages (of the prompt) read back with their checkpoints
 
         def on_batch(first: int, good: int) -> bool:
             nonlocal published, attached
-            attached = self._publish(op, tier, pos + first, pages[first : first + good], (start, thin_end))
+            thin = (0, 0) if at else (start, thin_end)
+            attached = self._publish(op, tier, pos + first, pages[first : first + good], thin,
+                                     whole=frozenset(whole) if self.checkpoints else None)
             published = first + good  # published, or freed by the index as duplicates
             return attached
 
         try:
-            if tier.window_pages and self.slack_pages:
+            if tier.window_pages and self.slack_pages and not self.checkpoints:
                 low = max(start, thin_end - self.slack_pages)
                 thin_end = await self._slack_start(op, tier, pos, len(pages), low, thin_end)
-            if tier.window_pages:
+            if at:
+                read = await tier.fetch_checkpoints(  # type: ignore[attr-defined]
+                    op.keys[pos : pos + len(pages)], pages, [i - pos for i in at], on_batch=on_batch,
+                    before_full=lambda good: whole.update(op.first_page + pos + i for i in good),
+                )
+                got = read
+            elif tier.window_pages:
                 got = await tier.fetch(
                     op.keys[pos : pos + len(pages)], pages, on_batch=on_batch, sliding_from=thin_end - pos
                 )
@@ -392,6 +414,13 @@ class Prefetcher:
             self.reserved -= len(pages)  # published (pinned by op, counted as leased) or freed
             self.free_host(pages[published:])
         return got, attached and got == len(pages)
+
+    @staticmethod
+    async def _checkpoints_in(op: Prefetch, tier: StorageTier, pos: int, count: int) -> list[int]:
+        """A recurrent model: the keys among ``pos..pos+count`` whose checkpoints (state parts)
+        the tier holds, in order; each is read back with its page, so a run ends a hit on any."""
+        return [i for i in range(pos, pos + count)
+                if await tier.sliding_part.exists([op.keys[i]]) == 1]  # type: ignore[attr-defined]
 
     @staticmethod
     async def _slack_start(op: Prefetch, tier: StorageTier, pos: int, count: int, low: int, thin_end: int) -> int:
@@ -415,10 +444,13 @@ class Prefetcher:
         return max((s for t, s, n in op.segments if t is tier and s <= pos < s + n), default=pos)
 
     def _publish(
-        self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int], thin: tuple[int, int] = (0, 0)
+        self, op: Prefetch, tier: StorageTier, pos: int, pages: list[int], thin: tuple[int, int] = (0, 0),
+        *, whole: frozenset[int] | None = None,
     ) -> bool:
         """Insert verified ``pages`` (from key index ``pos``) as host-only nodes. False: stop here.
-        ``thin``: key indices whose pages came back without their sliding layers."""
+        ``thin``: key indices whose pages came back without their sliding layers. ``whole``: a
+        recurrent model's pages (of the prompt) that came back with their checkpoints; the others
+        are thin."""
         got = len(pages)
         if not got:
             return True
@@ -426,11 +458,14 @@ class Prefetcher:
         end = op.first_page + pos + got
         prefix = op.tokens_bytes[: end * pb]
         thin_end = op.first_page + thin[1]
-        for node in self.insert_host(prefix, op.first_page + pos, pages):  # new nodes, never hit yet
+        for node in self.insert_host(prefix, op.first_page + pos, pages, whole=whole):  # new nodes, never hit yet
             node.stored = True
             node.source = tier.name
             node.readback_hits = node.hit_count
-            if thin_end > op.first_page + thin[0]:
+            if whole is not None:
+                if node.thin and node.host is not None:
+                    self.shed_host(list(node.host[: node.thin]))  # zeros already: give their memory back
+            elif thin_end > op.first_page + thin[0]:
                 first = sum(n.num_pages for n in self.tree.path_to(node.parent))
                 node.thin = min(node.num_pages, max(0, thin_end - first))
                 if node.thin and node.host is not None:

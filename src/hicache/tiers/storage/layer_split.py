@@ -192,6 +192,32 @@ class LayerSplitTier(_PartTier):
             return 0
         return await super().fetch(keys[:want], host_pages[:want], on_batch, source=self.part_source(source))
 
+    async def fetch_checkpoints(
+        self,
+        keys: Sequence[bytes],
+        host_pages: Sequence[int],
+        at: Sequence[int],
+        on_batch: Callable[[int, int], bool] | None = None,
+        *,
+        before_full: Callable[[list[int]], None] | None = None,
+        source: PageSource | None = None,
+    ) -> int:
+        """A recurrent model's read-back: the state parts (checkpoints) of the pages at indices
+        ``at``, zeros in those layers of every other page, then every full part (``on_batch`` as
+        ``StorageTier.fetch``). A checkpoint that is missing or fails verification leaves its page
+        thin, it does not shorten the read: ``before_full`` is told the indices read whole."""
+        good: list[int] = []
+        part_source = self.sliding_part.part_source(source)
+        for i in at:
+            if await self.sliding_part.fetch([keys[i]], [host_pages[i]], source=part_source) == 1:
+                good.append(i)
+        others = sorted(set(range(len(keys))) - set(good))
+        if others:
+            await anyio.to_thread.run_sync(self.sliding_part.zero, [host_pages[i] for i in others], source)
+        if before_full is not None:
+            before_full(good)
+        return await super().fetch(keys, host_pages, on_batch, source=self.part_source(source))
+
     async def store(
         self,
         keys: Sequence[bytes],
