@@ -12,6 +12,11 @@ The kept pages live in one preallocated, pre-touched arena (``PageArena``), like
 pools: a page is a slot in it, not a fresh tensor. Keeping each page as its own allocation (the
 heap growing by hundreds of 0.7 MiB chunks) doubled the oracle process's page faults on the
 issue-12 trace (194k against 98k a run).
+
+A model with recurrent layers continues only from their state at the prefix's end: the oracle keeps,
+for every sequence, the KV and the state as they were after its last computed token, and a request
+starts from the longest of those ends its prompt extends (exact, not rounded to a page or to a
+checkpoint): the state and KV a recurrent cache could at best be given for free.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import xxhash
 from ..integrations.transformers import CachedCausalLM, ComputeGate
 from ..integrations.transformers.causal_lm import Sequence, _check_tokens
 from ..integrations.transformers.prefix_cache import KVBuffers, PrefixCache
+from ..integrations.transformers.recurrent import State, restored_layer, snapshot
 
 __all__ = ["OracleLM", "PageArena", "StoppableClock"]
 
@@ -117,6 +123,10 @@ class OracleLM:
         spec = self.inner.spec
         self._pages = PageArena((2, spec.num_layers, spec.num_kv_heads, page_size, spec.head_dim), model.dtype,
                                 self.inner.device, -(-expected_tokens // page_size))  # chain key -> page
+        #: A recurrent model: each sequence's end (its tokens' digest) -> its KV ``[2, L, H, n, D]`` and state.
+        self.recurrent = self.inner.recurrent
+        self._ends: dict[bytes, tuple[torch.Tensor, dict[int, State]]] = {}
+        self._end_lengths: set[int] = set()
 
     def page_keys(self, tokens: Seq[int], pages: int) -> list[bytes]:
         """Chained keys of the first ``pages`` full pages: key ``i`` names tokens ``[:(i+1) * page]``."""
@@ -136,7 +146,22 @@ class OracleLM:
 
     @property
     def kept_bytes(self) -> int:
-        return self._pages.kept_bytes
+        ends = sum(kv.numel() * kv.element_size() + sum(t.numel() * t.element_size() for st in states.values()
+                   for t in st) for kv, states in self._ends.values())
+        return self._pages.kept_bytes + ends
+
+    @staticmethod
+    def end_key(tokens: Seq[int]) -> bytes:
+        return xxhash.xxh3_128_digest(np.asarray(tokens, dtype=np.int64).tobytes())
+
+    def longest_end(self, prompt: list[int]) -> tuple[int, tuple[torch.Tensor, dict[int, State]] | None]:
+        """The longest kept sequence end that ``prompt`` extends (a recurrent model's hit)."""
+        for n in sorted(self._end_lengths, reverse=True):
+            if n < len(prompt):
+                kept = self._ends.get(self.end_key(prompt[:n]))
+                if kept is not None:
+                    return n, kept
+        return 0, None
 
     async def lookup(self, tokens: Seq[int]) -> None:
         return None
@@ -151,6 +176,8 @@ class OracleLM:
         buffers = self.inner.buffers.take(len(prompt) + max(0, max_new_tokens))
         try:
             seq = OracleSequence(self, prompt, buffers, keys[:pages])
+            if self.recurrent:
+                seq.cached_tokens, seq._end = self.longest_end(prompt)
             try:
                 yield seq
                 if store:
@@ -170,6 +197,7 @@ class OracleSequence(Sequence):
         self._keys = keys
         self.cached_tokens = min(len(keys) * oracle.page_size, self.prompt_tokens - 1)
         self._kept = 0  # tokens whose pages the oracle holds from this sequence
+        self._end: tuple[torch.Tensor, dict[int, State]] | None = None  # a recurrent model's prefix
 
     async def prefill(self) -> int:
         if self.cached_tokens > 0 and self._kv is None:
@@ -181,16 +209,28 @@ class OracleSequence(Sequence):
     def _prepare(self) -> Any:
         """The model's cache with the prefix already in its buffer (the engine's own memory)."""
         buffers = self._live()
+        lm = self.lm
+        if self._end is not None:
+            kv, states = self._end
+            n = self.cached_tokens
+            buffers.data[:, :, 0, :, :n].copy_(kv)
+            linear = {i: restored_layer(states[i], n, lm.spec.layers[i]) for i in lm.recurrent}
+            return PrefixCache(lm.model.config, buffers, lm.spec.num_layers, restored=n, restore=_in_place,
+                               segments=lm.segments, lazy=False, linear=linear)
         ps = self.oracle.page_size
         for i, key in enumerate(self._keys):
             buffers.data[:, :, 0, :, i * ps : (i + 1) * ps].copy_(self.oracle._pages[key])
-        lm = self.lm
         return PrefixCache(lm.model.config, buffers, lm.spec.num_layers, restored=self.cached_tokens,
                            restore=_in_place, segments=lm.segments, lazy=False)
 
     async def store(self) -> None:
         """Keep the full pages computed so far (clock stopped, gate held)."""
         if self._kv is None:
+            return None
+        if self.oracle.recurrent:
+            async with self.lm.gate.hold(ComputeGate.DECODE):
+                with self.oracle.clocks_stopped():
+                    await anyio.to_thread.run_sync(self._keep_end)
             return None
         ps = self.oracle.page_size
         end = self._computed // ps * ps
@@ -200,6 +240,15 @@ class OracleSequence(Sequence):
             with self.oracle.clocks_stopped():
                 await anyio.to_thread.run_sync(self._keep, end)
         return None
+
+    def _keep_end(self) -> None:
+        """A recurrent model: keep the KV and the state after every token computed."""
+        n = self._computed
+        key = self.oracle.end_key(self.tokens[:n])
+        if key not in self.oracle._ends:
+            kv = self._live().data[:, :, 0, :, :n].clone()
+            self.oracle._ends[key] = (kv, snapshot(self._kv, self.lm.recurrent))
+            self.oracle._end_lengths.add(n)
 
     def _keep(self, end: int) -> None:
         ps = self.oracle.page_size
