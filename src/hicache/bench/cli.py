@@ -1,4 +1,4 @@
-"""``hicache bench multiturn|long-context|vllm|vllm-overhead|serve|pd``: run the configurations on one trace, compare them.
+"""``hicache bench multiturn|long-context|vllm|vllm-overhead|serve|pd|recurrent``: run the configurations on one trace, compare them.
 
 Each configuration runs in its own process (``hicache.bench.worker``), in the order given (with
 ``--repeat N``, N times in alternating order: ``repeats.py``); the parent prints the table,
@@ -25,6 +25,8 @@ from .models import MODELS
 from .pd_bench import add_parser as add_pd_parser
 from .pd_bench import run_pd_benchmark
 from .profiling import cpu_pressure
+from .recurrent_bench import add_parser as add_recurrent_parser
+from .recurrent_bench import run_recurrent_benchmark
 from .repeats import format_repeats, per_repeat, pool, run_order, spread, summarise_runs
 from .report import (
     add_oracle_ratios,
@@ -110,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_overhead_parser(sub)  # `hicache bench vllm-overhead`: the connector's cost when nothing hits
     add_serve_parser(sub)  # `hicache bench serve`: vllm serve over HTTP, multi-turn and long-context (serve_bench.py)
     add_pd_parser(sub)  # `hicache bench pd`: prefill/decode over vllm serve, hicache against vLLM's connectors (pd_bench.py)
+    add_recurrent_parser(sub)  # `hicache bench recurrent`: a recurrent hybrid's checkpoints (recurrent_bench.py)
     return parser
 
 
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         run_serve_benchmark(args)
     elif args.benchmark == "pd":
         run_pd_benchmark(args)
+    elif args.benchmark == "recurrent":
+        run_recurrent_benchmark(args)
     else:
         run_benchmark(args)
     return 0
