@@ -37,7 +37,7 @@ from .attention import available as segments_available
 from .attention import using_segments
 from .gate import ComputeGate
 from .prefix_cache import BufferPool, KVBuffers, PrefixCache, layer_tensors
-from .recurrent import State, pack, restored_layer, snapshot, unpack
+from .recurrent import RecordingLayer, State, conv_only, pack, restored_layer, snapshot, unpack
 from .spec import ModelSpec, cache_keyword
 
 if TYPE_CHECKING:
@@ -115,6 +115,8 @@ class CachedCausalLM:
         self.buffers = BufferPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, self.device)
         #: Recurrent layers (model layer indices), and where each model layer lies in a page.
         self.recurrent = spec.layers.recurrent
+        #: Every recurrent layer a convolution (LFM2): a prefill's checkpoints come from one forward.
+        self.record_conv = bool(self.recurrent) and all(conv_only(spec.layers[i]) for i in self.recurrent)
         self.slots = spec.layers.slots(cache.config.slot_bytes) if cache is not None else ()
         self.num_cache_layers = cache.config.num_cache_layers if cache is not None else spec.num_layers
         every = cache.config.policies.checkpoint_interval_tokens if cache is not None else 0
@@ -211,6 +213,7 @@ class Sequence:
         self.stages: dict[str, float] = dict.fromkeys(self.STAGES, 0.0)
         self.restore_wait_by_layer: list[float] = [0.0] * lm.num_cache_layers
         self._snapshots: dict[int, dict[int, State]] = {}  # checkpoints not stored yet, by token count
+        self._record: list[int] = []  # the checkpoints a conv-only model's prefill reads off its forward
         self._kv: Any = None
         self._computed = 0  # tokens whose KV is in self._kv
         self._stored = view.tokens if view is not None else 0  # tokens (whole pages) the cache has from us
@@ -308,8 +311,12 @@ class Sequence:
         from transformers.cache_utils import LinearAttentionLayer
 
         lm = self.lm
+
+        def fresh() -> Any:
+            return RecordingLayer(self._record) if lm.record_conv else LinearAttentionLayer()
+
         if n == 0:
-            return {i: LinearAttentionLayer() for i in lm.recurrent}
+            return {i: fresh() for i in lm.recurrent}
         pool = self._pool
         assert pool is not None and self._view is not None
         page = self._view.device_pages[n // lm.cache.page_size - 1]  # type: ignore[union-attr]
@@ -320,7 +327,7 @@ class Sequence:
                 self._wait_layer(j)
             started = time.perf_counter()
             state = unpack(lm.spec.layers[i], pool[:, first : first + count, page])
-            out[i] = restored_layer(state, n, lm.spec.layers[i])
+            out[i] = restored_layer(state, n, lm.spec.layers[i], fresh())
             self.stages["restore_copy"] += time.perf_counter() - started
         return out
 
@@ -339,16 +346,23 @@ class Sequence:
     def _prefill(self) -> torch.Tensor:
         n = self.cached_tokens
         lm = self.lm
+        end = len(self.tokens)
+        ends = self._checkpoint_ends(n, end)
+        self._record = ends if lm.record_conv else []
         kv = self._kv if self._kv is not None else self._model_cache(lm.layerwise)
         at = n
-        end = len(self.tokens)
         logits = None
-        for stop in self._checkpoint_ends(n, end):
-            logits = lm.forward(self.tokens[at:stop], kv)
+        for stop in ends if not lm.record_conv else ():
+            logits = lm.forward(self.tokens[at:stop], kv)  # an SSM's state: the forward stops there
             self._snapshots[stop] = snapshot(kv, lm.recurrent)
             at = stop
         if at < end:
             logits = lm.forward(self.tokens[at:], kv)
+        if lm.record_conv:
+            for stop in ends:
+                self._snapshots[stop] = {i: (kv.layers[i].recorded.pop(stop),) for i in lm.recurrent}
+            for i in lm.recurrent:
+                kv.layers[i].record = []
         assert logits is not None
         self._kv = kv
         self._computed = end

@@ -21,7 +21,10 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAtten
 from ...errors import UnsupportedModelError
 from ...layer_kinds import FULL, RECURRENT, LayerKind, LayerKinds, StateTensor, parse_state
 
-__all__ = ["RECURRENT_TYPES", "State", "layer_kinds", "pack", "restored_layer", "snapshot", "unpack"]
+__all__ = [
+    "RECURRENT_TYPES", "RecordingLayer", "State", "conv_only", "layer_kinds", "pack", "restored_layer", "snapshot",
+    "unpack",
+]
 
 #: ``layer_types`` of the Hugging Face configs whose layers keep a recurrent state
 RECURRENT_TYPES = frozenset({"conv", "linear_attention", "mamba"})
@@ -128,9 +131,48 @@ def unpack(kind: LayerKind, slots: torch.Tensor) -> State:
     return tuple(out)
 
 
-def restored_layer(state: State, tokens: int, kind: LayerKind) -> LinearAttentionLayer:
-    """A model-cache layer that continues from ``state``, the checkpoint after ``tokens`` tokens."""
-    layer = LinearAttentionLayer(number_of_states=max(1, _states_count(kind)))
+def conv_only(kind: LayerKind) -> bool:
+    """Whether a recurrent layer's state is convolution windows only (LFM2's short convolutions):
+    its checkpoints inside a prefill are read off the forward's own input (``RecordingLayer``)."""
+    return [t.name for t in parse_state(kind.state)] == ["conv0"]
+
+
+class RecordingLayer(LinearAttentionLayer):
+    """A convolution-state cache layer that also keeps its state after each token count in
+    ``record`` that a multi-token update passes (``recorded``): a convolution's state after token
+    ``c`` is its last ``kernel`` inputs up to ``c``, all of which the update sees. So a prefill
+    checkpoints conv-only layers in one forward, where an SSM's state would need the forward cut
+    there (a forward's fixed cost is tens of ms on the CPU)."""
+
+    def __init__(self, record: list[int], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.record = record
+        self.recorded: dict[int, torch.Tensor] = {}  # token count -> the conv state after it
+
+    def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs: Any) -> torch.Tensor:
+        before = int(self.cumulative_length_linear)  # tokens before this update (one state: index 0)
+        prev = self.conv_states[state_idx].clone() if self.has_previous_state[state_idx] else None
+        out = super().update_conv_state(conv_states, state_idx, conv_kernel_size=conv_kernel_size, **kwargs)
+        new = conv_states.shape[-1]
+        k = self.conv_kernel_size[state_idx]
+        seq = conv_states if prev is None else torch.cat([prev, conv_states], dim=-1)
+        first = before - (prev.shape[-1] if prev is not None else 0)  # the token count seq[..., 0] follows
+        for c in self.record:
+            if before < c <= before + new:
+                end = c - first
+                window = seq[..., max(0, end - k) : end]
+                if window.shape[-1] < k:
+                    window = torch.nn.functional.pad(window, (k - window.shape[-1], 0))
+                self.recorded[c] = window.clone()
+        return out
+
+
+def restored_layer(state: State, tokens: int, kind: LayerKind, layer: LinearAttentionLayer | None = None) -> LinearAttentionLayer:
+    """A model-cache layer that continues from ``state``, the checkpoint after ``tokens`` tokens
+    (``layer``: a fresh one to fill, e.g. a ``RecordingLayer``)."""
+    if layer is None:
+        layer = LinearAttentionLayer(number_of_states=max(1, _states_count(kind)))
     for (name, _), t in zip(_spec_names(kind), state):
         idx = int(name[4:] if name.startswith("conv") else name[3:])
         if name.startswith("conv"):
