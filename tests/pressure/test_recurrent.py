@@ -19,33 +19,20 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache import HiCache
+from hicache import HiCache, HiCacheConfig
 from hicache.leases import RetrieveView
-from hicache.tiers.storage.layer_split import LayerSplitTier
 
 from ..helpers import assert_consistent
-from .conftest import GEOMETRY, PAGE, Storage, pressure_config
+from .conftest import GEOMETRY, PAGE, Storage
+from .hybrid_bursts import Checks, run_hybrid_burst
+from .prefix_kv import prefix_kv  # a pure function of the prefix: a page's state layers stand for the state after it
 from .test_bursts import Call, calls_st, fresh
 from .test_sliding_window import prompts_st
 
 # 4,000 and 2,048 bytes of state against 4,096-byte page slots: one state layer each, then the full one
 RECURRENT = GEOMETRY | {"layers": ["recurrent:s=1000/float32", "recurrent:s=512/float32", "full"]}
-STATE_LAYERS, FULL_LAYER = (0, 1), 2
+STATE_LAYERS = (0, 1)
 LONG = os.environ.get("HICACHE_PRESSURE_EXAMPLES")
-_OFFSETS = torch.arange(2 * 3 * 2 * 16, dtype=torch.float64).reshape(2, 3, 1, 2, 16)
-
-
-def checkpoint_kv(tokens: list[int]) -> torch.Tensor:
-    """``[2, 3, T, 2, 16]``: a pure function of the prefix, so the state layers of the page ending at
-    ``t`` stand for the state after ``t`` tokens (exact in float32)."""
-    h, hashes = 7, []
-    for tok in tokens:
-        h = (h * 31 + tok + 1) % 65521
-        hashes.append(h)
-    base = torch.tensor(hashes, dtype=torch.float64).reshape(1, 1, len(tokens), 1, 1) * 256
-    return (base + _OFFSETS).to(torch.float32)
-
-
 def checkpoints(tokens: list[int]) -> list[int]:
     """After every second page, and where the prompt's full pages end."""
     full = len(tokens) // PAGE * PAGE
@@ -56,7 +43,7 @@ async def assert_continuable(view: RetrieveView, tokens: list[int], ends: list[l
     n = view.tokens
     if n:
         assert (n // PAGE) % 2 == 0 or tokens[:n] in ends, f"a hit of {n} tokens ends without a checkpoint"
-    kv = checkpoint_kv(tokens)
+    kv = prefix_kv(tokens)
     low = max(0, n - PAGE)
     for layer in range(kv.shape[1]):
         await view.wait_layer(layer)
@@ -70,39 +57,7 @@ async def assert_continuable(view: RetrieveView, tokens: list[int], ends: list[l
                 assert torch.equal(part, want), f"full layer {layer}: wrong KV"
 
 
-async def run_burst(storage: Storage, write: str, prompts: list[list[int]], calls: list[Call], close_at_once: bool) -> None:
-    longest = max(len(p) for p in prompts) // PAGE
-    config = pressure_config(longest, longest + 2, [storage.slowed()], model=RECURRENT, write=write,
-                             prefetch="wait_complete", prefetch_threshold_tokens=0)
-    assert config.num_cache_layers == 3
-    stored: list[list[int]] = []
-
-    async def call(c: Call, cache: HiCache) -> None:
-        tokens = prompts[c.prompt % len(prompts)]
-        with anyio.move_on_after(c.cancel_after_s if c.cancel_after_s is not None else float("inf")):
-            if c.verb == "store":
-                result = await cache.store(tokens, checkpoint_kv(tokens), checkpoints=checkpoints(tokens))
-                stored.append(tokens[: result.cached_tokens + result.stored_tokens])
-            elif c.verb == "retrieve":
-                async with cache.retrieve(tokens) as view:
-                    await assert_continuable(view, tokens, [p[: len(p) // PAGE * PAGE] for p in prompts])
-            else:
-                hit = await cache.lookup(tokens)
-                assert hit.tokens % PAGE == 0 and hit.tokens <= len(tokens)
-                if hit.prefetch is not None:
-                    hit.prefetch.cancel()
-
-    async with HiCache.from_config(config) as cache:
-        assert isinstance(cache.controller.storage[0], LayerSplitTier)
-        async with anyio.create_task_group() as tg:
-            for c in calls:
-                tg.start_soon(call, c, cache)
-        if not close_at_once:
-            await cache.wait_idle()
-            assert_consistent(cache)
-    assert cache.stats().lost_pages == 0
-    if write != "write_through":
-        return
+async def after(config: HiCacheConfig, stored: list[list[int]]) -> None:
     for tokens in {tuple(t) for t in stored if t}:
         async with HiCache.from_config(config) as cache:  # only the store is left
             hit = await cache.lookup([*tokens, 7])
@@ -117,6 +72,12 @@ async def run_burst(storage: Storage, write: str, prompts: list[list[int]], call
             assert_consistent(cache)
 
 
+def checks(prompts: list[list[int]]) -> Checks:
+    ends = [p[: len(p) // PAGE * PAGE] for p in prompts]
+    return Checks(RECURRENT, lambda view, tokens: assert_continuable(view, tokens, ends), after,
+                  lambda tokens: {"checkpoints": checkpoints(tokens)})
+
+
 @pytest.mark.parametrize("write", ["write_through", "write_back"])
 def test_bursts_keep_every_promise_with_recurrent_checkpoints(storage: Storage, write: str) -> None:
     examples = int(LONG) if LONG else (8 if storage.kind == "file" else 3)
@@ -125,6 +86,6 @@ def test_bursts_keep_every_promise_with_recurrent_checkpoints(storage: Storage, 
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     @given(prompts=prompts_st, calls=calls_st, close_at_once=st.booleans())
     def run(prompts: list[list[int]], calls: list[Call], close_at_once: bool) -> None:
-        anyio.run(run_burst, fresh(storage), write, prompts, calls, close_at_once)
+        anyio.run(run_hybrid_burst, fresh(storage), write, prompts, calls, close_at_once, checks(prompts))
 
     run()

@@ -18,12 +18,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hicache import HiCache
+from hicache import HiCache, HiCacheConfig
 from hicache.leases import RetrieveView
-from hicache.tiers.storage.layer_split import LayerSplitTier
 
 from ..helpers import assert_consistent
-from .conftest import GEOMETRY, PAGE, Storage, pressure_config
+from .conftest import GEOMETRY, PAGE, Storage
+from .hybrid_bursts import Checks, run_hybrid_burst
 from .prefix_kv import prefix_kv
 from .test_bursts import Call, calls_st, fresh
 
@@ -59,38 +59,7 @@ async def assert_restorable(view: RetrieveView, tokens: list[int]) -> None:
                 assert torch.equal(part, want), f"full layer {layer}: wrong KV"
 
 
-async def run_burst(storage: Storage, write: str, prompts: list[list[int]], calls: list[Call], close_at_once: bool) -> None:
-    longest = max(len(p) for p in prompts) // PAGE
-    config = pressure_config(longest, longest + 2, [storage.slowed()], model=HYBRID, write=write,
-                             prefetch="wait_complete", prefetch_threshold_tokens=0)
-    stored: list[list[int]] = []
-
-    async def call(c: Call, cache: HiCache) -> None:
-        tokens = prompts[c.prompt % len(prompts)]
-        with anyio.move_on_after(c.cancel_after_s if c.cancel_after_s is not None else float("inf")):
-            if c.verb == "store":
-                result = await cache.store(tokens, prefix_kv(tokens))
-                stored.append(tokens[: result.cached_tokens + result.stored_tokens])
-            elif c.verb == "retrieve":
-                async with cache.retrieve(tokens) as view:
-                    await assert_restorable(view, tokens)
-            else:
-                hit = await cache.lookup(tokens)
-                assert hit.tokens % PAGE == 0 and hit.tokens <= len(tokens)
-                if hit.prefetch is not None:
-                    hit.prefetch.cancel()
-
-    async with HiCache.from_config(config) as cache:
-        assert isinstance(cache.controller.storage[0], LayerSplitTier)
-        async with anyio.create_task_group() as tg:
-            for c in calls:
-                tg.start_soon(call, c, cache)
-        if not close_at_once:
-            await cache.wait_idle()
-            assert_consistent(cache)
-    assert cache.stats().lost_pages == 0
-    if write != "write_through":
-        return
+async def after(config: HiCacheConfig, stored: list[list[int]]) -> None:
     ends = [t for t in stored if t and not any(len(o) > len(t) and o[: len(t)] == t for o in stored)]
     for tokens in ends:
         # A fresh cache each: pages another prompt's retrieve read back thin would end this hit early
@@ -104,6 +73,9 @@ async def run_burst(storage: Storage, write: str, prompts: list[list[int]], call
             assert_consistent(cache)
 
 
+CHECKS = Checks(HYBRID, assert_restorable, after)
+
+
 @pytest.mark.parametrize("write", ["write_through", "write_back"])
 def test_bursts_keep_every_promise_with_sliding_layers_near_prefix_ends(storage: Storage, write: str) -> None:
     examples = int(LONG) if LONG else (8 if storage.kind == "file" else 3)
@@ -112,6 +84,6 @@ def test_bursts_keep_every_promise_with_sliding_layers_near_prefix_ends(storage:
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     @given(prompts=prompts_st, calls=calls_st, close_at_once=st.booleans())
     def run(prompts: list[list[int]], calls: list[Call], close_at_once: bool) -> None:
-        anyio.run(run_burst, fresh(storage), write, prompts, calls, close_at_once)
+        anyio.run(run_hybrid_burst, fresh(storage), write, prompts, calls, close_at_once, CHECKS)
 
     run()
