@@ -161,7 +161,7 @@ class Prefetcher:
         checkpoints: bool = False,
     ) -> None:
         self.tree = tree
-        #: A recurrent model: a run read back can end a hit only on a checkpoint (``_checkpoint_run``).
+        #: A recurrent model: a run read back can end a hit only on a checkpoint (``_checkpoints_in``).
         self.checkpoints = checkpoints
         self.shed_host = shed_host  # a compact host gives back the memory of pages that came back thin
         # A layer-split tier keeps sliding parts for ``slack_pages`` more before a window: read
