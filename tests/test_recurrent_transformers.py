@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
-from hicache import ConfigError, HiCache, InvalidRequestError
+from hicache import ConfigError, HiCache, InvalidRequestError, load_config
 from hicache.bench.models import load_model
 from hicache.containers import namespace_from_config
 from hicache.integrations.transformers import CachedCausalLM, ModelSpec
@@ -236,3 +237,36 @@ async def test_inspect_lists_checkpoints_as_a_part_of_their_own_and_finds_a_flip
                           f"this config ({name}), checkpoint (recurrent state) layers": 3}, labels
         report = await verify(backend, codec, "file", quiet=True)
         assert report.ok == report.ours == 14 and [c.reason for c in report.corrupt] == ["checksum"]
+
+
+async def test_a_prefetch_cancelled_while_it_looks_for_checkpoints_keeps_no_host_page(tmp_path: Path) -> None:
+    """The read-back probes each page's checkpoint before reading (one call a page, each slowed
+    here): cancelling it there gives back every host page it had taken."""
+    from hicache.controller.prefetch import Prefetcher
+
+    tokens = prompt(200, seed=40)
+    config = lm_config(LFM2, tmp_path / "pages", **interval(64))
+    async with HiCache.from_config(config) as cache:
+        await run(CachedCausalLM(LFM2, cache), tokens)
+        await cache.wait_idle()
+    raw = config.model_dump(mode="json")
+    raw["tiers"]["storage"] = [{"kind": "tests.fakes:DelayingStorageBackend", "name": "file", "delay_s": 0.05,
+                                "inner": {"kind": "file", "path": str(tmp_path / "pages")}}]
+    slow = load_config(overrides=raw, env={})
+    async with HiCache.from_config(slow) as cache:
+        probed = anyio.Event()
+        probe = Prefetcher._checkpoints_in
+
+        async def watched(*args: Any) -> list[int]:
+            probed.set()
+            return await probe(*args)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(Prefetcher, "_checkpoints_in", staticmethod(watched))
+            hit = await cache.lookup(tokens + [1])
+            assert hit.prefetch is not None
+            await probed.wait()
+            hit.prefetch.cancel()
+            await cache.wait_idle()
+        assert_consistent(cache)
+        assert cache.stats().tiers["host"].used_pages == 0, cache.stats().tiers["host"]

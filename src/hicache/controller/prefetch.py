@@ -370,18 +370,24 @@ class Prefetcher:
         # pages of this segment before those come back thin (``TreeNode.thin``).
         start = self._segment_start(op, tier, pos)
         thin_end = max(start, end - tier.window_pages) if tier.window_pages else 0
+        self.reserved += len(pages)
         at: list[int] = []  # a recurrent model: the run's pages whose checkpoints the tier holds
         if self.checkpoints and tier.window_pages:
-            at = await self._checkpoints_in(op, tier, pos, len(pages))
+            try:
+                at = await self._checkpoints_in(op, tier, pos, len(pages))
+            except BaseException:  # cancelled or failed while probing: the pages go back
+                self.reserved -= len(pages)
+                self.free_host(pages)
+                raise
             if pos + len(pages) < end:
                 # A run short of the segment's end (the host's room) stops on its last checkpoint.
                 keep = at[-1] - pos + 1 if at else 0
+                self.reserved -= len(pages) - keep
                 self.free_host(pages[keep:])
                 if not keep:
                     op.out_of_room = True  # nothing this run could end a hit on: reading it is no use
                     return 0, False
                 pages = pages[:keep]
-        self.reserved += len(pages)
         published = 0
         attached = True
         whole: set[int] = set()  # pages (of the prompt) read back with their checkpoints
