@@ -120,7 +120,7 @@ class Placement:
         if self.checkpoints:
             self._fill_checkpoints(match.path, kv, start // ps, whole or frozenset())
         else:
-            self._fill_thin(match.path, kv, start // ps, whole)
+            self._fill_thin(match.path, kv, start // ps)
         if match.pages >= full:
             self.tree.touch(match.path)
             return Placed([], 0, full, 0)
@@ -205,12 +205,12 @@ class Placement:
                 out.append((node, begin, lo))
         return out
 
-    def _fill_thin(self, path: list[TreeNode], kv: Any, start_page: int, whole: frozenset[int] | None) -> None:
+    def _fill_thin(self, path: list[TreeNode], kv: Any, start_page: int) -> None:
         """Give the thin pages in the window before the end of ``path`` (the cached part of a
         store's prompt) their sliding layers from ``kv`` (the KV of pages ``start_page..``), so
         that end, where the prompt's new pages branch off, is a hit again and storage can be
         written its window. Synchronous: nothing is freed or copied under it."""
-        for node, begin, lo in self._thin_in_window(path, start_page, whole):
+        for node, begin, lo in self._thin_in_window(path, start_page):
             thin_end = begin + node.thin
             for pool, pages in ((self.device, node.device), (self.host, node.host)):
                 if pages is not None:
