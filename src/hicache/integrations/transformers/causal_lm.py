@@ -37,7 +37,7 @@ from .attention import available as segments_available
 from .attention import using_segments
 from .gate import ComputeGate
 from .prefix_cache import BufferPool, KVBuffers, PrefixCache, layer_tensors
-from .recurrent import RecordingLayer, State, conv_only, pack, restored_layer, snapshot, unpack
+from .recurrent import RecordingLayer, State, conv_only, pack, record_delta_rules, restored_layer, snapshot, unpack
 from .spec import ModelSpec, cache_keyword
 
 if TYPE_CHECKING:
@@ -115,8 +115,13 @@ class CachedCausalLM:
         self.buffers = BufferPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, model.dtype, self.device)
         #: Recurrent layers (model layer indices), and where each model layer lies in a page.
         self.recurrent = spec.layers.recurrent
-        #: Every recurrent layer a convolution (LFM2): a prefill's checkpoints come from one forward.
-        self.record_conv = bool(self.recurrent) and all(conv_only(spec.layers[i]) for i in self.recurrent)
+        #: Recurrent layers that are gated delta nets whose chunked rule records (Qwen3-Next).
+        self.delta_rules = record_delta_rules(model) & frozenset(self.recurrent) if self.recurrent else frozenset()
+        #: Every recurrent layer a convolution (LFM2) or a gated delta net: a prefill's checkpoints
+        #: come from one forward; other SSMs (Mamba) cut the forward at each one.
+        self.one_forward = bool(self.recurrent) and all(
+            conv_only(spec.layers[i]) or i in self.delta_rules for i in self.recurrent
+        )
         self.slots = spec.layers.slots(cache.config.slot_bytes) if cache is not None else ()
         self.num_cache_layers = cache.config.num_cache_layers if cache is not None else spec.num_layers
         every = cache.config.policies.checkpoint_interval_tokens if cache is not None else 0
@@ -312,11 +317,13 @@ class Sequence:
 
         lm = self.lm
 
-        def fresh() -> Any:
-            return RecordingLayer(self._record) if lm.record_conv else LinearAttentionLayer()
+        def fresh(i: int) -> Any:
+            if lm.one_forward:
+                return RecordingLayer(self._record, delta_rule=i in lm.delta_rules)
+            return LinearAttentionLayer()
 
         if n == 0:
-            return {i: fresh() for i in lm.recurrent}
+            return {i: fresh(i) for i in lm.recurrent}
         pool = self._pool
         assert pool is not None and self._view is not None
         page = self._view.device_pages[n // lm.cache.page_size - 1]  # type: ignore[union-attr]
@@ -327,7 +334,7 @@ class Sequence:
                 self._wait_layer(j)
             started = time.perf_counter()
             state = unpack(lm.spec.layers[i], pool[:, first : first + count, page])
-            out[i] = restored_layer(state, n, lm.spec.layers[i], fresh())
+            out[i] = restored_layer(state, n, lm.spec.layers[i], fresh(i))
             self.stages["restore_copy"] += time.perf_counter() - started
         return out
 
@@ -348,19 +355,19 @@ class Sequence:
         lm = self.lm
         end = len(self.tokens)
         ends = self._checkpoint_ends(n, end)
-        self._record = ends if lm.record_conv else []
+        self._record = ends if lm.one_forward else []
         kv = self._kv if self._kv is not None else self._model_cache(lm.layerwise)
         at = n
         logits = None
-        for stop in ends if not lm.record_conv else ():
-            logits = lm.forward(self.tokens[at:stop], kv)  # an SSM's state: the forward stops there
+        for stop in ends if not lm.one_forward else ():
+            logits = lm.forward(self.tokens[at:stop], kv)  # a Mamba layer's state: the forward stops there
             self._snapshots[stop] = snapshot(kv, lm.recurrent)
             at = stop
         if at < end:
             logits = lm.forward(self.tokens[at:], kv)
-        if lm.record_conv:
+        if lm.one_forward:
             for stop in ends:
-                self._snapshots[stop] = {i: (kv.layers[i].recorded.pop(stop),) for i in lm.recurrent}
+                self._snapshots[stop] = {i: kv.layers[i].take(stop) for i in lm.recurrent}
             for i in lm.recurrent:
                 kv.layers[i].record = []
         assert logits is not None

@@ -12,6 +12,8 @@ restored state is the computed one bit for bit.
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any
 
 import torch
@@ -22,14 +24,16 @@ from ...errors import UnsupportedModelError
 from ...layer_kinds import FULL, RECURRENT, LayerKind, LayerKinds, StateTensor, parse_state
 
 __all__ = [
-    "RECURRENT_TYPES", "RecordingLayer", "State", "conv_only", "layer_kinds", "pack", "restored_layer", "snapshot",
-    "unpack",
+    "RECURRENT_TYPES", "RecordingLayer", "State", "conv_only", "layer_kinds", "pack", "record_delta_rules",
+    "restored_layer", "snapshot", "unpack",
 ]
 
 #: ``layer_types`` of the Hugging Face configs whose layers keep a recurrent state
 RECURRENT_TYPES = frozenset({"conv", "linear_attention", "mamba"})
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _PROBED = "_hicache_state_kinds"
+_CHUNK_RULE = "torch_chunk_gated_delta_rule"  # the name a gated delta net's forward calls its chunked rule by
+_ARMED = threading.local()  # the RecordingLayer whose layer's forward is running: (layer, tokens before, new tokens)
 
 #: One layer's state: its tensors, in ``parse_state`` order (``conv0``, ``rec0``, ``conv1``, ...)
 State = tuple[torch.Tensor, ...]
@@ -138,16 +142,21 @@ def conv_only(kind: LayerKind) -> bool:
 
 
 class RecordingLayer(LinearAttentionLayer):
-    """A convolution-state cache layer that also keeps its state after each token count in
-    ``record`` that a multi-token update passes (``recorded``): a convolution's state after token
-    ``c`` is its last ``kernel`` inputs up to ``c``, all of which the update sees. So a prefill
-    checkpoints conv-only layers in one forward, where an SSM's state would need the forward cut
-    there (a forward's fixed cost is tens of ms on the CPU)."""
+    """A recurrent layer's cache layer that also keeps its state after each token count in
+    ``record`` that a multi-token forward passes (``take``), so a prefill checkpoints in one
+    forward where a cut forward would cost its fixed overhead (tens of ms on the CPU) per cut.
 
-    def __init__(self, record: list[int], **kwargs: Any) -> None:
+    A convolution's state after token ``c`` is its last ``kernel`` inputs up to ``c``, all of which
+    the update sees. A gated delta net's recurrent state (``delta_rule``) is taken by its chunked
+    rule, which ``record_delta_rules`` makes run in segments split at those counts: the update arms
+    it just before the layer's forward calls it."""
+
+    def __init__(self, record: list[int], delta_rule: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.record = record
+        self.delta_rule = delta_rule
         self.recorded: dict[int, torch.Tensor] = {}  # token count -> the conv state after it
+        self.recorded_states: dict[int, torch.Tensor] = {}  # token count -> the recurrent state after it
 
     def update_conv_state(self, conv_states: torch.Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
                           **kwargs: Any) -> torch.Tensor:
@@ -158,17 +167,75 @@ class RecordingLayer(LinearAttentionLayer):
         k = self.conv_kernel_size[state_idx]
         seq = conv_states if prev is None else torch.cat([prev, conv_states], dim=-1)
         first = before - (prev.shape[-1] if prev is not None else 0)  # the token count seq[..., 0] follows
-        for c in self.record:
-            if before < c <= before + new:
-                end = c - first
-                window = seq[..., max(0, end - k) : end]
-                if window.shape[-1] < k:
-                    window = torch.nn.functional.pad(window, (k - window.shape[-1], 0))
-                self.recorded[c] = window.clone()
+        due = [c for c in self.record if before < c <= before + new]
+        for c in due:
+            end = c - first
+            window = seq[..., max(0, end - k) : end]
+            if window.shape[-1] < k:
+                window = torch.nn.functional.pad(window, (k - window.shape[-1], 0))
+            self.recorded[c] = window.clone()
+        _ARMED.layer = (self, before, new) if self.delta_rule and due else None
         return out
 
+    def take(self, tokens: int) -> State:
+        """The checkpoint after ``tokens`` (a count in ``record`` that a forward passed), in
+        ``parse_state`` order, each tensor in the dtype this layer keeps it in."""
+        conv = self.recorded.pop(tokens)
+        if not self.delta_rule:
+            return (conv,)
+        rec = self.recorded_states.pop(tokens)
+        return conv, rec.to(self.recurrent_states[0].dtype)
 
-def restored_layer(state: State, tokens: int, kind: LayerKind, layer: LinearAttentionLayer | None = None) -> LinearAttentionLayer:
+
+def record_delta_rules(model: Any) -> frozenset[int]:
+    """The layers of ``model`` whose gated delta net can checkpoint inside one forward
+    (``RecordingLayer(delta_rule=True)``): each such family's module-level chunked rule is wrapped,
+    once per process, so that a forward armed by a ``RecordingLayer`` runs it in segments ending at
+    the due counts. Unarmed calls (any other cache, any other model) run the rule unchanged."""
+    out = set()
+    for mod in model.modules():
+        owner = sys.modules.get(type(mod).__module__)
+        rule = getattr(owner, _CHUNK_RULE, None)
+        idx = getattr(mod, "layer_idx", None)
+        if rule is None or idx is None or not type(mod).__name__.endswith("GatedDeltaNet"):
+            continue
+        if not getattr(rule, "_hicache_records", False):
+            setattr(owner, _CHUNK_RULE, _recording_rule(rule))
+        out.add(int(idx))
+    return frozenset(out)
+
+
+def _recording_rule(rule: Any) -> Any:
+    def recording(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        armed, _ARMED.layer = getattr(_ARMED, "layer", None), None
+        tokens = query.shape[1]
+        if armed is None or args or armed[2] != tokens:
+            return rule(query, key, value, *args, **kwargs)
+        layer, before, _ = armed
+        cuts = [c - before for c in layer.record if before < c <= before + tokens]
+        if cuts[-1] != tokens:
+            cuts.append(tokens)
+        g, beta = kwargs.pop("g"), kwargs.pop("beta")
+        state = kwargs.pop("initial_state", None)
+        final = kwargs.pop("output_final_state", False)
+        outs, at = [], 0
+        for cut in cuts:
+            part = slice(at, cut)
+            out, state = rule(query[:, part], key[:, part], value[:, part], g=g[:, part], beta=beta[:, part],
+                              initial_state=state, output_final_state=True, **kwargs)
+            if before + cut in layer.record:
+                layer.recorded_states[before + cut] = state.clone()
+            outs.append(out)
+            at = cut
+        return torch.cat(outs, dim=1), state if final else None
+
+    recording._hicache_records = True  # type: ignore[attr-defined]
+    return recording
+
+
+def restored_layer(
+    state: State, tokens: int, kind: LayerKind, layer: LinearAttentionLayer | None = None
+) -> LinearAttentionLayer:
     """A model-cache layer that continues from ``state``, the checkpoint after ``tokens`` tokens
     (``layer``: a fresh one to fill, e.g. a ``RecordingLayer``)."""
     if layer is None:
