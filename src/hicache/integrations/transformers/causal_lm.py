@@ -307,36 +307,43 @@ class Sequence:
             kwargs = {"prefix": self._prefix_views} if lm.attend_in_pages else {"restore": self._restore_layer}
         if lm.recurrent:
             kwargs["linear"] = self._recurrent_layers(n)
+            if n > 0:
+                kwargs["fill_linear"] = self._fill_recurrent
         return PrefixCache(lm.model.config, self._live(), lm.spec.num_layers, restored=n, segments=lm.segments,
                            lazy=lazy, **kwargs)
 
     def _recurrent_layers(self, n: int) -> dict[int, Any]:
-        """The recurrent layers' cache layers: fresh, or from the checkpoint after the prefix's
-        ``n`` tokens (the ``state`` layers of its last page)."""
+        """The recurrent layers' cache layers: fresh, or (``n`` > 0) to continue from the checkpoint
+        after the prefix's ``n`` tokens, which ``_fill_recurrent`` puts in when the forward reaches
+        the layer; their token count is set now (``get_seq_length`` may read any layer)."""
         from transformers.cache_utils import LinearAttentionLayer
 
         lm = self.lm
+        out = {}
+        for i in lm.recurrent:
+            layer = RecordingLayer(self._record, delta_rule=i in lm.delta_rules) if lm.one_forward else (
+                LinearAttentionLayer()
+            )
+            if n > 0:
+                layer.cumulative_length_linear = torch.tensor(n, dtype=torch.long)
+            out[i] = layer
+        return out
 
-        def fresh(i: int) -> Any:
-            if lm.one_forward:
-                return RecordingLayer(self._record, delta_rule=i in lm.delta_rules)
-            return LinearAttentionLayer()
-
-        if n == 0:
-            return {i: fresh(i) for i in lm.recurrent}
+    def _fill_recurrent(self, i: int, layer: Any) -> None:
+        """Recurrent layer ``i`` continues from the checkpoint on the hit's last page (its ``state``
+        cache layers, waited for here)."""
+        lm = self.lm
+        n = self.cached_tokens
         pool = self._pool
         assert pool is not None and self._view is not None
         page = self._view.device_pages[n // lm.cache.page_size - 1]  # type: ignore[union-attr]
-        out = {}
-        for i in lm.recurrent:
-            first, count = lm.slots[i]
-            for j in range(first, first + count):
-                self._wait_layer(j)
-            started = time.perf_counter()
-            state = unpack(lm.spec.layers[i], pool[:, first : first + count, page])
-            out[i] = restored_layer(state, n, lm.spec.layers[i], fresh(i))
-            self.stages["restore_copy"] += time.perf_counter() - started
-        return out
+        first, count = lm.slots[i]
+        for j in range(first, first + count):
+            self._wait_layer(j)
+        started = time.perf_counter()
+        state = unpack(lm.spec.layers[i], pool[:, first : first + count, page])
+        restored_layer(state, n, lm.spec.layers[i], layer)
+        self.stages["restore_copy"] += time.perf_counter() - started
 
     def _checkpoint_ends(self, start: int, end: int) -> list[int]:
         """Where a prefill of tokens ``start..end`` stops to copy a checkpoint: interval multiples,

@@ -191,12 +191,15 @@ class PrefixCache(DynamicCache):
     place before the forward starts. ``config`` (the model's) is not read: the layers are all this
     module's full-attention buffers (sliding-window models attend over them with their own masks),
     except the layers in ``linear``: a recurrent layer's cache layer (``recurrent.py``), fresh or
-    continuing from a checkpoint.
+    continuing from a checkpoint. ``fill_linear(i, layer)`` puts layer ``i``'s checkpoint in ``layer``: it runs
+    when the forward first reads or writes that layer's state (lazily, like ``restore``), so the
+    wait for a state's load-back overlaps the layers before it.
     """
 
     def __init__(self, config: Any, buffers: KVBuffers, num_layers: int, *, restored: int = 0,
                  restore: RestoreLayer | None = None, prefix: PrefixViews | None = None,
-                 segments: bool = False, lazy: bool = True, linear: Mapping[int, Any] | None = None) -> None:
+                 segments: bool = False, lazy: bool = True, linear: Mapping[int, Any] | None = None,
+                 fill_linear: Callable[[int, Any], None] | None = None) -> None:
         super().__init__()  # not DynamicCache(config=): it builds layers we replace, and costs 1 ms a prefill
         if restore is not None and prefix is not None:
             raise ValueError("give restore (copy the prefix in) or prefix (views of it), not both")
@@ -219,6 +222,8 @@ class PrefixCache(DynamicCache):
         self.layers = layers
         if hasattr(self, "layer_class_to_replicate"):
             self.layer_class_to_replicate = None
+        self._fill_linear = fill_linear
+        self._unfilled = set(linear or ()) if fill_linear is not None else set()
         if not lazy:
             self.restore_all()
 
@@ -226,6 +231,42 @@ class PrefixCache(DynamicCache):
         for layer in self.layers:
             if isinstance(layer, _Layer):
                 layer.restore()
+        for i in sorted(self._unfilled):
+            self._filled(i)
+
+    def _filled(self, layer_idx: int | None) -> None:
+        """Put recurrent layer ``layer_idx``'s checkpoint in place if it is not yet (``None``: all)."""
+        if not self._unfilled:
+            return
+        todo = sorted(self._unfilled) if layer_idx is None else [layer_idx] if layer_idx in self._unfilled else []
+        for i in todo:
+            self._unfilled.discard(i)
+            assert self._fill_linear is not None
+            self._fill_linear(i, self.layers[i])
+
+    def get_conv_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._filled(layer_idx)
+        return super().get_conv_state(layer_idx, *args, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._filled(layer_idx)
+        return super().get_recurrent_state(layer_idx, *args, **kwargs)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._filled(layer_idx)
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def update_recurrent_state(self, recurrent_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._filled(layer_idx)
+        return super().update_recurrent_state(recurrent_states, layer_idx, *args, **kwargs)
+
+    def increase_count(self, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        self._filled(layer_idx)
+        return super().increase_count(layer_idx, *args, **kwargs)
+
+    def has_previous_state(self, layer_idx: int | None = None, *args: Any, **kwargs: Any) -> bool:
+        self._filled(layer_idx)
+        return super().has_previous_state(layer_idx, *args, **kwargs)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
         return self.layers[layer_idx].update(key_states, value_states)
