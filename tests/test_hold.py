@@ -151,3 +151,28 @@ async def test_a_prefaulted_host_tier_is_resident_after_open_and_its_contents_ar
         assert resident_share(host.buffer) > 0.99, "prefaulted" if fresh else "reused memory, yet not resident"
         async with cache.hold(tokens) as held:
             assert torch.equal(read_held(held, kv.shape, ps), kv)
+
+
+async def test_a_recurrent_models_commit_places_its_checkpoint_pages_whole_and_a_hold_ends_on_one() -> None:
+    """An engine that writes Mamba states into its reserved pages (the vLLM connector) names them
+    at ``commit``: those pages are whole, the others thin, and a hold ends on a checkpoint."""
+    config = make_config(2, 16, model={"num_layers": 2, "layers": ["recurrent:s=64/float32", "full"]})
+    ps = config.page_size
+    tokens = make_tokens(4 * ps, seed=5)
+    async with HiCache.from_config(config) as cache:
+        async with cache.reserve(4, tier="host") as res:
+            for bad in ([3], [5 * ps], [0]):  # not a page end, past the pages, not after the first
+                with pytest.raises(InvalidRequestError, match="checkpoint"):
+                    await res.commit(tokens, checkpoints=bad)
+            assert cache.controller.host.used_pages == 4  # still the reservation's
+            assert await res.commit(tokens, checkpoints=[2 * ps, 4 * ps]) == 4 * ps
+        async with cache.hold(tokens) as held:
+            assert held.tokens == 4 * ps and held.thin == ((0, 1), (2, 3))
+        async with cache.hold(tokens[: 3 * ps + 1]) as held:
+            assert held.tokens == 2 * ps  # page 2 carries no state: the hit ends on the checkpoint before
+        async with cache.reserve(2, tier="host") as res:  # no checkpoints: no hit can end on these
+            other = make_tokens(2 * ps, seed=6)
+            assert await res.commit(other) == 2 * ps
+        async with cache.hold(other) as held:
+            assert held.tokens == 0
+        assert_consistent(cache)

@@ -26,7 +26,7 @@ import anyio
 import torch
 
 from .config import StorageTierConfig
-from .controller.loadback import bring_up
+from .controller.loadback import bring_up, restorable_path
 from .controller.persist import persist
 from .errors import CapacityError, ConfigError, InvalidKVError, InvalidRequestError
 from .keys import TOKEN_BYTES, Namespace, as_token_bytes
@@ -392,16 +392,19 @@ class HiCache(anyio.AsyncContextManagerMixin):
 
         return Lease(acquire)
 
-    async def _commit(self, reservation: SlotReservation, tokens: Any, first_page: int, priority: int) -> int:
+    async def _commit(self, reservation: SlotReservation, tokens: Any, first_page: int, priority: int,
+                      checkpoints: Iterable[int] | None = None) -> int:
         ctl = self.controller
         ctl.check_open()
         tb = as_token_bytes(tokens)
         if not isinstance(first_page, int) or isinstance(first_page, bool) or first_page < 0:
             raise InvalidRequestError(f"first_page must be a non-negative int, got {first_page!r}")
         _check_priority(priority)
+        end = (first_page + len(reservation.pages)) * self._page_size
+        whole = self._checkpoint_pages(checkpoints, first_page * self._page_size, min(end, len(tb) // TOKEN_BYTES))
         # Validated: from here the pages belong to the cache (published, or freed by the index).
         on_host = reservation.tier is ctl.host
-        placed = await ctl.commit(tb, first_page, reservation.hand_over(), priority, on_host=on_host)
+        placed = await ctl.commit(tb, first_page, reservation.hand_over(), priority, on_host=on_host, whole=whole)
         return placed.stored * self._page_size
 
     # -- holding a prefix in place ----------------------------------------------------------------
@@ -414,7 +417,9 @@ class HiCache(anyio.AsyncContextManagerMixin):
         holds is never cut short for want of it). Pages that only storage holds arrive in host
         memory first, as the prefetch policy's wait allows. ``start`` (a multiple of
         ``page_size``): tokens the caller holds already; only the pages after it are listed and
-        counted as hits, and a prefix that ends before it holds nothing.
+        counted as hits, and a prefix that ends before it holds nothing. As for ``retrieve``, the
+        prefix ends where it can be continued: no thin page in a sliding window before its end, a
+        recurrent model's on a checkpoint.
         """
         self.controller.check_open()
         tb = as_token_bytes(tokens)
@@ -432,7 +437,8 @@ class HiCache(anyio.AsyncContextManagerMixin):
         ctl.counters.retrieves += 1
         # Storage pages arrive in host memory first; what the host could not take stays a miss.
         await ctl.prefetcher.before_retrieve(tb)
-        path = ctl.tree.match(tb, split=True).path
+        # The hit ends where it can be continued (a recurrent model's: on a checkpoint).
+        path, _ = restorable_path(ctl, ctl.tree.match(tb, split=True).path, None)
         first = start // ps
         hit_pages = sum(nd.num_pages for nd in path)
         # The node holding the first page after ``start`` is split there, so that pages the caller

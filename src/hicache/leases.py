@@ -15,7 +15,7 @@ by hand by the caller.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -158,7 +158,7 @@ class SlotReservation:
         self,
         pages: list[int],
         tier: MemoryTier,
-        commit: Callable[[SlotReservation, Any, int, int], Awaitable[int]],
+        commit: Callable[[SlotReservation, Any, int, int, Iterable[int] | None], Awaitable[int]],
         free: Callable[[list[int]], None],
     ) -> None:
         self.pages = pages
@@ -174,14 +174,19 @@ class SlotReservation:
             raise InvalidRequestError(f"slot_indices address the device pool; these pages are on the {self.tier.name} tier")
         return token_slots(self.pages)
 
-    async def commit(self, tokens: Any, first_page: int = 0, *, priority: int = 0) -> int:
+    async def commit(
+        self, tokens: Any, first_page: int = 0, *, priority: int = 0, checkpoints: Iterable[int] | None = None
+    ) -> int:
         """Hand the pages to the cache as pages ``first_page..`` of ``tokens``; return tokens added.
 
-        Bad arguments raise before anything changes; the reservation then still holds its pages.
+        A model with recurrent layers names the ``checkpoints`` its pages carry, as ``HiCache.store``
+        does (the engine wrote each one in the ``state`` layers of the page ending there); the
+        other pages are placed thin. Bad arguments raise before anything changes; the reservation
+        then still holds its pages.
         """
         if not self._owned:
             raise InvalidRequestError("this reservation was already committed or released")
-        return await self._commit(self, tokens, first_page, priority)
+        return await self._commit(self, tokens, first_page, priority, checkpoints)
 
     def hand_over(self) -> list[int]:
         """Give up ownership of the pages (the cache takes them); called once, by commit."""

@@ -35,6 +35,9 @@ def _llm(spec: dict[str, Any]) -> Any:
         kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
     if spec.get("hybrid_manager") is not None:  # vLLM's hybrid KV cache manager, asked for on or off
         kwargs["disable_hybrid_kv_cache_manager"] = not spec["hybrid_manager"]
+    for key in ("max_num_batched_tokens", "skip_tokenizer_init", "enable_prefix_caching"):
+        if spec.get(key) is not None:
+            kwargs[key] = spec[key]
     return LLM(
         model=spec["model_dir"],
         dtype="float32",
@@ -59,7 +62,8 @@ def _channel(llm: Any, rank: int = 0) -> Any:
 def _generate(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0)
+    sp = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0, logprobs=0 if phase.get("logprobs") else None,
+                        detokenize=not phase.get("logprobs"))
     prompts = [{"prompt_token_ids": p} for p in phase["prompts"]]
     if phase.get("burst"):  # all queued at once: vLLM schedules them as its KV allows
         results = llm.generate(prompts, sp, use_tqdm=False)
@@ -72,6 +76,9 @@ def _generate(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
             "cached": out.num_cached_tokens or 0,
             "ttft_s": out.metrics.first_token_latency if out.metrics is not None else None,
         })
+        if phase.get("logprobs"):  # each sampled token's logprob: what a Mamba state changes first
+            c = out.outputs[0]
+            outs[-1]["logprobs"] = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
     return {"outputs": outs}
 
 

@@ -519,11 +519,12 @@ class CacheController(anyio.AsyncContextManagerMixin):
         return placed
 
     async def commit(
-        self, tb: TokenBytes, first_page: int, pages: list[int], priority: int, *, on_host: bool = False
+        self, tb: TokenBytes, first_page: int, pages: list[int], priority: int, *, on_host: bool = False,
+        whole: frozenset[int] | None = None,
     ) -> Placed:
         """Publish a reservation's pages (``on_host``: host pages), then queue the copies they are
         owed: ``SlotReservation.commit``."""
-        placed = await self.placement.commit(tb, first_page, pages, priority, on_host=on_host)
+        placed = await self.placement.commit(tb, first_page, pages, priority, on_host=on_host, whole=whole)
         await self.owe_copies(placed.nodes)
         return placed
 

@@ -26,7 +26,7 @@ from .jobs import LoadJob
 if TYPE_CHECKING:
     from .controller import CacheController
 
-__all__ = ["Brought", "bring_up"]
+__all__ = ["Brought", "bring_up", "restorable_path"]
 
 
 @dataclass
@@ -84,7 +84,7 @@ async def bring_up(ctl: CacheController, tb: TokenBytes) -> Brought:
                 break  # pins hold all the host may give them, and nothing in flight will release any
         # Runs may pass thin pages (sliding layers absent); the hit ends where a window is whole.
         before = _pages(path)
-        path, out.pin = _restorable(ctl, path, out.pin)
+        path, out.pin = restorable_path(ctl, path, out.pin)
         _forget_tail(out, before - _pages(path))
     except BaseException:
         if out.pin is not None:
@@ -114,7 +114,7 @@ def _forget_tail(out: Brought, pages: int) -> None:
         excess -= take
 
 
-def _restorable(ctl: CacheController, path: list[TreeNode], pin: Pin | None) -> tuple[list[TreeNode], Pin | None]:
+def restorable_path(ctl: CacheController, path: list[TreeNode], pin: Pin | None) -> tuple[list[TreeNode], Pin | None]:
     """``path`` cut where a hit may end (no thin page in the window before it), re-pinned."""
     pages = _pages(path)
     keep = ctl.tree.restorable(path, pages)

@@ -165,13 +165,15 @@ class Placement:
         return Placed(placed.nodes, stored, first + placed.duplicates, dropped)
 
     async def commit(
-        self, tb: TokenBytes, first_page: int, pages: list[int], priority: int, *, on_host: bool = False
+        self, tb: TokenBytes, first_page: int, pages: list[int], priority: int, *, on_host: bool = False,
+        whole: frozenset[int] | None = None,
     ) -> Placed:
         """Publish pages an engine wrote in place (a reservation's, now the cache's) as pages
         ``first_page..`` of ``tb``: device pages, or (``on_host``) host pages, which need no
-        placing (host residency has no prefix rule)."""
-        # An engine's own pages carry no checkpoints: a recurrent model's are placed thin.
-        whole = frozenset() if self.checkpoints else None
+        placing (host residency has no prefix rule). A recurrent model's pages are placed thin
+        but for those in ``whole``, which carry the checkpoints the engine wrote."""
+        if self.checkpoints and whole is None:
+            whole = frozenset()
         inserted = self.insert_pages(
             tb, first_page, [] if on_host else pages, pages if on_host else [], priority, whole=whole
         )

@@ -35,9 +35,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...errors import UnsupportedModelError
 from .channel import socket_path
 from .metadata import HiCacheMetadata
 from .ranks import RankChannels
+from .recurrent import mamba_layers
 from .scheduler_side import SchedulerSide
 from .settings import Roles, cache_config_for, connector_options, worker_rank
 from .worker_side import WorkerSide
@@ -109,12 +111,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                     "storage tier failing between lookup and load) fails the request; set 'recompute'",
                     ktc.kv_load_failure_policy,
                 )
-            config = cache_config_for(vllm_config, extra, device=device, fingerprint=False)
+            config = cache_config_for(vllm_config, extra, device=device, fingerprint=False,
+                                      kv_cache_config=kv_cache_config)
             ranks = RankChannels(engine_id, vllm_config.parallel_config.tensor_parallel_size)
             groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-            self.scheduler = SchedulerSide(ranks, config.page_size, block_size, Roles.of(ktc.kv_role), groups=groups)
+            mamba = frozenset(m.group for m in mamba_layers(kv_cache_config).values()) if config.model.layers.recurrent \
+                else frozenset()
+            roles = Roles.of(ktc.kv_role)
+            if mamba:  # prefill/decode hand-offs carry pages, not Mamba states: a cache only
+                if ktc.kv_role in ("kv_producer", "kv_consumer"):
+                    raise UnsupportedModelError(f"{ktc.kv_role}: prefill/decode hand-offs of Mamba states are not supported")
+                roles = Roles()
+            self.scheduler = SchedulerSide(ranks, config.page_size, block_size, roles, groups=groups, mamba_groups=mamba)
         else:
-            config = cache_config_for(vllm_config, extra, device=device, max_shutdown_s=_worker_exit_budget_s(vllm_config))
+            config = cache_config_for(vllm_config, extra, device=device, max_shutdown_s=_worker_exit_budget_s(vllm_config),
+                                      kv_cache_config=kv_cache_config)
             if config.tiers.storage and vllm_config.shutdown_timeout == 0:
                 log.warning(
                     "hicache: vLLM's shutdown_timeout is 0 (its default): on SIGTERM `vllm serve` kills this worker "

@@ -47,6 +47,14 @@ class SaveSpec:
     first_page: int
     num_pages: int
     block_ids: tuple[list[int], ...]
+    #: a Mamba hybrid's states this step wrote at block boundaries in these pages (``recurrent.py``):
+    #: ``(KV cache group, vLLM block, tokens)``, every Mamba group of each boundary listed
+    states: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def checkpoints(self) -> list[int]:
+        """The token counts whose states the pages carry (``SlotReservation.commit``)."""
+        return sorted({tokens for _, _, tokens in self.states})
 
 
 @dataclass(frozen=True)

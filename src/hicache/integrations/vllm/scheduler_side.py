@@ -105,9 +105,11 @@ def handoff_params(request: Any) -> dict[str, Any] | None:
 class SchedulerSide:
     def __init__(
         self, client: ChannelClient | RankChannels, page_size: int, block_size: int, roles: Roles | None = None,
-        groups: int = 1,
+        groups: int = 1, mamba_groups: frozenset[int] = frozenset(),
     ) -> None:
         self.client = client
+        #: a Mamba hybrid's state groups (``recurrent.py``): their blocks hold states, not KV pages
+        self.mamba_groups = mamba_groups
         self.page_size = page_size
         self.block_size = block_size
         self.roles = roles or Roles()
@@ -125,6 +127,7 @@ class SchedulerSide:
         # req_id -> (usable tokens, hit) of its queued lookup, until the next step is planned
         self._queued: dict[str, tuple[int, int]] = {}
         self._held: set[str] = set()  # requests the worker holds a prefetch for (told at their queued lookup)
+        self._offers: dict[str, dict[int, list[tuple[int, int]]]] = {}  # this step's state offers (Mamba)
 
     def _usable(self, request: Any) -> int:
         """Whole blocks of the request's tokens, leaving at least one token to compute."""
@@ -265,6 +268,7 @@ class SchedulerSide:
         meta.receives, self._receives = self._receives, []
         meta.async_loads, self._async = self._async, []
         steps = scheduler_output.num_scheduled_tokens
+        self._offers = self._state_offers(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
             if tracked is None:
@@ -289,6 +293,24 @@ class SchedulerSide:
             self._plan_save(meta, tracked, req_id, cached.num_computed_tokens[i], steps.get(req_id, 0))
         return meta
 
+    def _state_offers(self, scheduler_output: Any) -> dict[str, dict[int, list[tuple[int, int]]]]:
+        """A Mamba hybrid's block-boundary states this step writes, per request: tokens -> [(group,
+        block)], only boundaries every Mamba group offers (vLLM drains its offers each step)."""
+        if not self.mamba_groups:
+            return {}
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(state, "boundary_state_offloads", None) or {}
+        out: dict[str, dict[int, list[tuple[int, int]]]] = {}
+        for req_id, items in offers.items():
+            by_tokens: dict[int, list[tuple[int, int]]] = {}
+            for group, block, tokens in items:
+                if group in self.mamba_groups and block != NULL_BLOCK:
+                    by_tokens.setdefault(int(tokens), []).append((int(group), int(block)))
+            whole = {t: v for t, v in by_tokens.items() if {g for g, _ in v} == self.mamba_groups}
+            if whole:
+                out[req_id] = whole
+        return out
+
     def _plan_load(self, meta: HiCacheMetadata, tracked: _Tracked, req_id: str, computed: int) -> None:
         ext = self._pending.pop(req_id, 0)
         if ext <= 0:
@@ -307,12 +329,13 @@ class SchedulerSide:
         if computed < tracked.stored_pages * ps:
             tracked.stored_pages = computed // ps
         end = (computed + scheduled) // ps
-        have_blocks = min((len(ids) for ids in tracked.block_ids), default=0) * self.block_size // ps
+        kv_groups = [ids for g, ids in enumerate(tracked.block_ids) if g not in self.mamba_groups]
+        have_blocks = min((len(ids) for ids in kv_groups), default=0) * self.block_size // ps
         end = min(end, have_blocks)
         first = tracked.stored_pages
         per = self.block_size // ps
         for j in range(first, end):  # a page no group may miss: behind a sliding window, vLLM kept none
-            if any(ids[j // per] == NULL_BLOCK for ids in tracked.block_ids):
+            if any(ids[j // per] == NULL_BLOCK for ids in kv_groups):
                 end = j
                 break
         if end <= first:
@@ -320,7 +343,10 @@ class SchedulerSide:
         tokens = list(tracked.request.all_token_ids[: end * ps])
         if len(tokens) < end * ps:
             return  # the tokens are not known yet (cannot happen for computed tokens)
-        meta.saves.append(SaveSpec(req_id, tokens, first, end - first, tuple(list(ids) for ids in tracked.block_ids)))
+        offers = self._offers.get(req_id, {})
+        states = tuple((g, block, t) for t in sorted(offers) if first * ps < t <= end * ps for g, block in offers[t])
+        meta.saves.append(SaveSpec(req_id, tokens, first, end - first, tuple(list(ids) for ids in tracked.block_ids),
+                                   states))
         tracked.stored_pages = end
 
     def request_finished(self, request: Any, block_ids: Any = ()) -> tuple[bool, dict[str, Any] | None]:

@@ -461,7 +461,7 @@ class CacheService(anyio.AsyncContextManagerMixin):
                 self.counters.save_skipped_pages += spec.num_pages
                 continue
             try:
-                added = await res.commit(spec.tokens, spec.first_page)
+                added = await res.commit(spec.tokens, spec.first_page, checkpoints=spec.checkpoints or None)
             except HiCacheError as exc:
                 log.warning("hicache: commit for %s failed: %r", spec.req_id, exc)
                 continue

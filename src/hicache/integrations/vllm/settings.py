@@ -46,8 +46,9 @@ import yaml
 from ...config import HiCacheConfig
 from ...containers import load_config
 from ...errors import ConfigError, UnsupportedModelError
-from ...layer_kinds import from_hf_config
+from ...layer_kinds import FULL, RECURRENT, LayerKind, LayerKinds, from_hf_config
 from .gil import DEFAULT_SWITCH_INTERVAL_S
+from .recurrent import check_align_mode, mamba_layers
 
 __all__ = [
     "EXTRA_KEYS", "ConnectorOptions", "PDOptions", "Roles", "cache_config_for", "connector_options", "parallel_section", "weights_fingerprint",
@@ -173,15 +174,18 @@ def weights_fingerprint(model_dir: str | os.PathLike[str]) -> str | None:
     return h.hexdigest()
 
 
-def _model_section(vllm_config: Any) -> dict[str, Any]:
+def _model_section(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, Any]:
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
     name = str(mc.model)
     if getattr(mc, "use_mla", False):
         raise UnsupportedModelError(f"{name}: latent-attention (MLA) models are not supported by the vLLM connector yet")
-    if getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False):
-        raise UnsupportedModelError(f"{name}: hybrid and attention-free models keep state hicache does not cache")
-    layers = from_hf_config(name, mc.hf_text_config)
+    if getattr(mc, "is_attention_free", False):
+        raise UnsupportedModelError(f"{name}: attention-free models are not supported (hicache caches beside attention)")
+    if getattr(mc, "is_hybrid", False):
+        layers = _mamba_hybrid(vllm_config, kv_cache_config)
+    else:
+        layers = from_hf_config(name, mc.hf_text_config)
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kv_cache_dtype {cache_dtype!r}: only the model dtype ('auto') is supported")
@@ -201,6 +205,23 @@ def _model_section(vllm_config: Any) -> dict[str, Any]:
         "attention": "mha",
         "layers": [k.text for k in layers],
     }
+
+
+def _mamba_hybrid(vllm_config: Any, kv_cache_config: Any) -> LayerKinds:
+    """A Mamba hybrid's layers: recurrent ones with vLLM's state tensors (``recurrent.py``), the
+    others full attention."""
+    name = str(vllm_config.model_config.model)
+    if kv_cache_config is None:
+        raise UnsupportedModelError(f"{name}: a hybrid model's Mamba states are known only from vLLM's KV cache groups")
+    check_align_mode(vllm_config, kv_cache_config)
+    mamba = mamba_layers(kv_cache_config)
+    if not mamba:
+        raise UnsupportedModelError(f"{name}: a hybrid model without Mamba groups is not supported")
+    if getattr(vllm_config.model_config.hf_text_config, "sliding_window", None):
+        raise UnsupportedModelError(f"{name}: sliding-window and recurrent layers in one model are not supported")
+    n = vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+    kinds = [LayerKind(RECURRENT, state=mamba[i].state) if i in mamba else LayerKind(FULL) for i in range(n)]
+    return LayerKinds.parse(kinds)
 
 
 def worker_rank(vllm_config: Any) -> int:
@@ -256,6 +277,7 @@ def cache_config_for(
     device: str = "cpu",
     fingerprint: bool = True,
     max_shutdown_s: float | None = None,
+    kv_cache_config: Any = None,
 ) -> HiCacheConfig:
     """The ``HiCacheConfig`` for a vLLM engine (``extra``: ``kv_connector_extra_config``).
 
@@ -273,7 +295,7 @@ def cache_config_for(
     if not isinstance(user, Mapping):
         raise ConfigError("kv_connector_extra_config.overrides must be a mapping")
     block_size = vllm_config.cache_config.block_size
-    model = _model_section(vllm_config)
+    model = _model_section(vllm_config, kv_cache_config)
     parallel = parallel_section(vllm_config)
     base = load_config(path, overrides=user)
     if base.model.revision:

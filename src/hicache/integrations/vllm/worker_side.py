@@ -43,6 +43,7 @@ from .cpus import reserved_cpus, use_cpus
 from .gil import shortened_switch_interval
 from .layout import BlockLayout, CopyRun, copy_all
 from .metadata import HiCacheMetadata, LoadSpec
+from .recurrent import state_blocks, state_from_pages, state_to_pages
 from .service import CacheService, StepLeases
 from .settings import ConnectorOptions
 
@@ -67,6 +68,9 @@ class _Step:
     recompute_from: dict[str, int] = field(default_factory=dict)  # request -> first token vLLM recomputes
     loaded: bool = False  # the held pages have been copied into vLLM's blocks (at the first layer)
     saved_layers: set[str] = field(default_factory=set)  # layers whose attention has run: their new pages are final
+    # a Mamba hybrid's states (recurrent.py): (tier, page, [(model layer, vLLM block)]) to copy in / out
+    state_loads: list[tuple[Any, int, list[tuple[int, int]]]] = field(default_factory=list)
+    state_saves: list[tuple[Any, int, list[tuple[int, int]]]] = field(default_factory=list)
 
 
 class WorkerSide:
@@ -85,7 +89,8 @@ class WorkerSide:
             head_dim=config.model.head_dim,
         )
         self.socket_path = socket_path
-        self.layers: dict[str, tuple[int, Any, int]] = {}  # name -> (layer index, its blocks_view, its KV cache group)
+        self.layers: dict[str, tuple[int, Any, int]] = {}  # name -> (cache layer, its blocks_view, its KV cache group)
+        self.states: dict[int, tuple[torch.Tensor, int]] = {}  # Mamba layer -> ([blocks, state bytes], its group)
         self.layer_groups = dict(layer_groups or {})  # name -> vLLM's KV cache group (absent: 0)
         self.sliding_groups: frozenset[int] = frozenset()  # groups holding a sliding-window layer
         self._async_done: list[tuple[str, bool]] = []  # async loads copied since vLLM last asked: (request, whole)
@@ -106,11 +111,21 @@ class WorkerSide:
 
         if len(kv_caches) != self.config.model.num_layers:
             log.warning("hicache: vLLM has %d KV layers, the model config %d", len(kv_caches), self.config.model.num_layers)
-        sliding = set(self.config.model.layers.sliding)
+        kinds = self.config.model.layers
+        sliding = set(kinds.sliding)
+        slots = kinds.slots(self.config.slot_bytes)  # where each model layer lies in a page
+        sliding_groups = set()
         for name, kv in kv_caches.items():
+            index, group = extract_layer_index(name), self.layer_groups.get(name, 0)
+            if index in kinds.recurrent:
+                self.states[index] = (state_blocks(name, kv, kinds[index].state_bytes), group)
+                continue
             self.layout.check_layer(name, kv)
-            self.layers[name] = (extract_layer_index(name), self.layout.blocks_view(kv), self.layer_groups.get(name, 0))
-        self.sliding_groups = frozenset(g for index, _, g in self.layers.values() if index in sliding)
+            self.layers[name] = (slots[index][0], self.layout.blocks_view(kv), group)
+            if index in sliding:
+                sliding_groups.add(group)
+        self.sliding_groups = frozenset(sliding_groups)
+        self._state_slots = {i: slots[i] for i in self.states}
         try:
             self._exit.enter_context(shortened_switch_interval(self.options.gil_switch_interval_s))
             self.portal = self._exit.enter_context(start_blocking_portal())
@@ -236,16 +251,44 @@ class WorkerSide:
                 if got <= spec.first_page:
                     continue
             plans, page = [], spec.first_page
+            last: tuple[Any, int] | None = None  # the tier and page holding the load's last token page
             for tier, pages in held.segments:
                 pages = pages[: got - page]
                 if pages:
                     plans.append((self._views(tier), self.layout.group_runs(spec.block_ids, page, pages)))
                     page += len(pages)
+                    last = (tier, pages[-1])
+            if self.states and not self._plan_state_load(step, spec, held, got, last):
+                continue
             by_tier = {t: n for t, n in held.by_tier.items() if n}
             step.loads.append((spec, plans, (got - spec.first_page) * ps, by_tier))
         for spec, res in zip(meta.saves, step.leases.reservations):
             if res is not None and spec.req_id not in step.failed_reqs:
                 step.saves.append((self._views(res.tier), self.layout.group_runs(spec.block_ids, spec.first_page, res.pages)))
+                by_group: dict[int, list[int]] = {}
+                for i, (_, g) in self.states.items():
+                    by_group.setdefault(g, []).append(i)
+                for tokens in spec.checkpoints:
+                    page = res.pages[tokens // ps - 1 - spec.first_page]
+                    copies = [(i, block) for g, block, t in spec.states if t == tokens for i in by_group.get(g, ())]
+                    step.state_saves.append((res.tier, page, copies))
+
+    def _plan_state_load(self, step: _Step, spec: LoadSpec, held: Any, got: int, last: tuple[Any, int] | None) -> bool:
+        """A Mamba hybrid's load: the checkpoint on its last page goes into each Mamba group's block
+        at the hit's last block boundary (``recurrent.py``). False (the load failed whole) where the
+        load is short, its last page is thin (no checkpoint) or vLLM gave no block there."""
+        ps, bs = self.layout.page_size, self.layout.block_size
+        thin = any(a <= got - 1 < b for a, b in held.thin)
+        k = got * ps // bs
+        blocks = [(i, spec.block_ids[g][k - 1] if 0 < k <= len(spec.block_ids[g]) else 0)
+                  for i, (_, g) in self.states.items()]
+        if got < spec.end_page or last is None or thin or got * ps % bs or any(b == 0 for _, b in blocks):
+            log.info("hicache: load for %s has no Mamba checkpoint at token %d; vLLM recomputes it", spec.req_id, got * ps)
+            self._fail(step, spec, spec.first_page)
+            step.failed_reqs.add(spec.req_id)
+            return False
+        step.state_loads.append((last[0], last[1], blocks))
+        return True
 
     def _views(self, tier: Any) -> list[Any]:
         """``tier``'s pages as ``pages_view`` per layer, made once (a tier's buffer lives as long as the cache)."""
@@ -288,6 +331,14 @@ class WorkerSide:
     def _copy_loads(self, step: _Step) -> None:
         copy_all([pair for layer, blocks, group in self.layers.values() for _, plans, _, _ in step.loads
                   for pages, runs in plans for pair in self.layout.copy_in_runs(pages[layer], blocks, runs[group])])
+        for tier, page, copies in step.state_loads:
+            for i, block in copies:
+                state_from_pages(self._state_views(tier, i), page, self.states[i][0][block])
+
+    def _state_views(self, tier: Any, layer: int) -> list[torch.Tensor]:
+        """Mamba layer ``layer``'s ``state`` cache layers of ``tier`` (``layer_view`` each)."""
+        first, count = self._state_slots[layer]
+        return [tier.layer_view(j) for j in range(first, first + count)]
 
     def _load_now(self, specs: list[LoadSpec]) -> None:
         """Loads vLLM waits for (several KV cache groups): held, copied every layer and released
@@ -340,6 +391,9 @@ class WorkerSide:
                 return
             copy_all([pair for layer, blocks, group in self.layers.values() for pages, runs in step.saves
                       for pair in self.layout.copy_out_runs(blocks, pages[layer], runs[group])])
+            for tier, page, copies in step.state_saves:
+                for i, block in copies:
+                    state_to_pages(self.states[i][0][block], self._state_views(tier, i), page)
         except HiCacheError as exc:
             log.error("hicache: save of the step failed: %r; the step saves nothing", exc)
             step.failed_reqs.update(spec.req_id for spec in step.meta.saves)
