@@ -62,8 +62,9 @@ def _channel(llm: Any, rank: int = 0) -> Any:
 def _generate(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0, logprobs=0 if phase.get("logprobs") else None,
-                        detokenize=not phase.get("logprobs"))
+    logprobs = bool(phase.get("logprobs"))
+    sp = SamplingParams(max_tokens=phase.get("max_tokens", 6), temperature=0, logprobs=0 if logprobs else None,
+                        detokenize=not logprobs)
     prompts = [{"prompt_token_ids": p} for p in phase["prompts"]]
     if phase.get("burst"):  # all queued at once: vLLM schedules them as its KV allows
         results = llm.generate(prompts, sp, use_tqdm=False)

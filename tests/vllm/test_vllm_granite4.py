@@ -56,7 +56,8 @@ def _spec(model: Path, pages: Path | None, phases: list[dict[str, Any]]) -> dict
     }
     if pages is not None:
         spec["connector"] = {"overrides": {
-            "tiers": {"host": {"capacity": "16MiB"}, "storage": [{"kind": "file", "path": str(pages), "fsync": "never"}]},
+            "tiers": {"host": {"capacity": "16MiB"},
+                      "storage": [{"kind": "file", "path": str(pages), "fsync": "never"}]},
             "policies": {"prefetch": "wait_complete", "prefetch_threshold_tokens": 0},
         }}
     return spec

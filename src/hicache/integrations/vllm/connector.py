@@ -115,17 +115,21 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                                       kv_cache_config=kv_cache_config)
             ranks = RankChannels(engine_id, vllm_config.parallel_config.tensor_parallel_size)
             groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-            mamba = frozenset(m.group for m in mamba_layers(kv_cache_config).values()) if config.model.layers.recurrent \
-                else frozenset()
+            mamba = frozenset()
+            if config.model.layers.recurrent:
+                mamba = frozenset(m.group for m in mamba_layers(kv_cache_config).values())
             roles = Roles.of(ktc.kv_role)
             if mamba:  # prefill/decode hand-offs carry pages, not Mamba states: a cache only
                 if ktc.kv_role in ("kv_producer", "kv_consumer"):
-                    raise UnsupportedModelError(f"{ktc.kv_role}: prefill/decode hand-offs of Mamba states are not supported")
+                    raise UnsupportedModelError(
+                        f"{ktc.kv_role}: prefill/decode hand-offs of Mamba states are not supported"
+                    )
                 roles = Roles()
-            self.scheduler = SchedulerSide(ranks, config.page_size, block_size, roles, groups=groups, mamba_groups=mamba)
+            self.scheduler = SchedulerSide(ranks, config.page_size, block_size, roles, groups=groups,
+                                           mamba_groups=mamba)
         else:
-            config = cache_config_for(vllm_config, extra, device=device, max_shutdown_s=_worker_exit_budget_s(vllm_config),
-                                      kv_cache_config=kv_cache_config)
+            config = cache_config_for(vllm_config, extra, device=device, kv_cache_config=kv_cache_config,
+                                      max_shutdown_s=_worker_exit_budget_s(vllm_config))
             if config.tiers.storage and vllm_config.shutdown_timeout == 0:
                 log.warning(
                     "hicache: vLLM's shutdown_timeout is 0 (its default): on SIGTERM `vllm serve` kills this worker "

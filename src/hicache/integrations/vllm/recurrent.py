@@ -81,7 +81,9 @@ def check_align_mode(vllm_config: Any, kv_cache_config: Any) -> None:
             f"(mamba_cache_mode 'align'), got {cc.mamba_cache_mode!r}: enable prefix caching"
         )
     if kv_cache_config is None:
-        raise UnsupportedModelError(f"{name}: a Mamba hybrid needs vLLM's KV cache groups (the hybrid KV cache manager)")
+        raise UnsupportedModelError(
+            f"{name}: a Mamba hybrid needs vLLM's KV cache groups (the hybrid KV cache manager)"
+        )
     sizes = {group.kv_cache_spec.block_size for group in kv_cache_config.kv_cache_groups}
     if sizes != {cc.block_size}:
         raise UnsupportedModelError(f"{name}: KV cache groups of block sizes {sorted(sizes)}; hicache needs one")
@@ -113,7 +115,9 @@ def _slots(pages: list[torch.Tensor], page: int) -> list[torch.Tensor]:
     for view in pages:
         for part in view[page]:
             if not part.is_contiguous():
-                raise UnsupportedModelError("a tier's page layer is not contiguous: Mamba states cannot be laid over it")
+                raise UnsupportedModelError(
+                    "a tier's page layer is not contiguous: Mamba states cannot be laid over it"
+                )
             out.append(part.view(torch.uint8))
     return out
 

@@ -181,7 +181,9 @@ def _model_section(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, A
     if getattr(mc, "use_mla", False):
         raise UnsupportedModelError(f"{name}: latent-attention (MLA) models are not supported by the vLLM connector yet")
     if getattr(mc, "is_attention_free", False):
-        raise UnsupportedModelError(f"{name}: attention-free models are not supported (hicache caches beside attention)")
+        raise UnsupportedModelError(
+            f"{name}: attention-free models are not supported (hicache caches beside attention)"
+        )
     if getattr(mc, "is_hybrid", False):
         layers = _mamba_hybrid(vllm_config, kv_cache_config)
     else:

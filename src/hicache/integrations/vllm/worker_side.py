@@ -283,7 +283,8 @@ class WorkerSide:
         blocks = [(i, spec.block_ids[g][k - 1] if 0 < k <= len(spec.block_ids[g]) else 0)
                   for i, (_, g) in self.states.items()]
         if got < spec.end_page or last is None or thin or got * ps % bs or any(b == 0 for _, b in blocks):
-            log.info("hicache: load for %s has no Mamba checkpoint at token %d; vLLM recomputes it", spec.req_id, got * ps)
+            log.info("hicache: load for %s has no Mamba checkpoint at token %d; vLLM recomputes it",
+                     spec.req_id, got * ps)
             self._fail(step, spec, spec.first_page)
             step.failed_reqs.add(spec.req_id)
             return False
