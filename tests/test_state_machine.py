@@ -296,7 +296,10 @@ class Machine:
                     device_kv[:, :, page] = kv[:, :, start : start + PAGE]
                 if op.commit:
                     self.stored.append(tokens[: full * PAGE])
-                    added = await slots.commit(tokens, first)
+                    # An engine names the checkpoints it wrote (vLLM's Mamba states), as a store does.
+                    marks = self.checkpoints(tokens[: full * PAGE])
+                    marks = None if marks is None else [m for m in marks if m > first * PAGE]
+                    added = await slots.commit(tokens, first, checkpoints=marks)
                     assert added % PAGE == 0 and 0 <= added <= (full - first) * PAGE, added
         except CapacityError:
             # Legitimate only when eviction could not free enough (pinned / in-flight pages).
@@ -522,8 +525,8 @@ def test_random_programs_with_a_host_smaller_than_a_node(
 
 
 # A recurrent hybrid (``layer_kinds``): two layers keep a state of 800 and 400 bytes (2 and 1
-# state layers of a page), checkpointed every second page and at each store's end; pages in
-# between, committed pages and pages read back before a segment's end are thin. Its storage
+# state layers of a page), checkpointed every second page and at each store's and commit's end;
+# pages in between and pages read back before a segment's end are thin. Its storage
 # tier is layer-split: checkpoints are parts of their own.
 RECURRENT = {"model": {"layers": ["recurrent:s=200/float32", "full", "recurrent:s=100/float32", "full"]}}
 RECURRENT_PAGE_BYTES = 5 * 2 * PAGE * 2 * 8 * 4

@@ -113,7 +113,8 @@ class WorkerSide:
             log.warning("hicache: vLLM has %d KV layers, the model config %d", len(kv_caches), self.config.model.num_layers)
         kinds = self.config.model.layers
         sliding = set(kinds.sliding)
-        slots = kinds.slots(self.config.slot_bytes)  # where each model layer lies in a page
+        # Where each model layer lies in a page (a recurrent layer's state takes several cache layers).
+        slots = kinds.slots(self.config.slot_bytes) if kinds.recurrent else ()
         sliding_groups = set()
         for name, kv in kv_caches.items():
             index, group = extract_layer_index(name), self.layer_groups.get(name, 0)
@@ -121,7 +122,7 @@ class WorkerSide:
                 self.states[index] = (state_blocks(name, kv, kinds[index].state_bytes), group)
                 continue
             self.layout.check_layer(name, kv)
-            self.layers[name] = (slots[index][0], self.layout.blocks_view(kv), group)
+            self.layers[name] = (slots[index][0] if slots else index, self.layout.blocks_view(kv), group)
             if index in sliding:
                 sliding_groups.add(group)
         self.sliding_groups = frozenset(sliding_groups)
