@@ -115,9 +115,11 @@ class BlockLayout:
                     return j
         return end_page
 
-    def group_runs(self, block_ids: tuple[list[int], ...], first_page: int, pages: list[int]) -> list[list[CopyRun]]:
-        """``runs`` for each KV cache group's blocks."""
-        return [self.runs(ids, first_page, pages) for ids in block_ids]
+    def group_runs(self, block_ids: tuple[list[int], ...], first_page: int, pages: list[int],
+                   skip: frozenset[int] = frozenset()) -> list[list[CopyRun]]:
+        """``runs`` for each KV cache group's blocks; none for the groups in ``skip`` (a Mamba
+        group's blocks hold states, not pages of KV)."""
+        return [[] if g in skip else self.runs(ids, first_page, pages) for g, ids in enumerate(block_ids)]
 
     # -- views ----------------------------------------------------------------------------------
 

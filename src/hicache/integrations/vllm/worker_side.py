@@ -91,6 +91,7 @@ class WorkerSide:
         self.socket_path = socket_path
         self.layers: dict[str, tuple[int, Any, int]] = {}  # name -> (cache layer, its blocks_view, its KV cache group)
         self.states: dict[int, tuple[torch.Tensor, int]] = {}  # Mamba layer -> ([blocks, state bytes], its group)
+        self.state_groups: frozenset[int] = frozenset()  # their KV cache groups
         self.layer_groups = dict(layer_groups or {})  # name -> vLLM's KV cache group (absent: 0)
         self.sliding_groups: frozenset[int] = frozenset()  # groups holding a sliding-window layer
         self._async_done: list[tuple[str, bool]] = []  # async loads copied since vLLM last asked: (request, whole)
@@ -127,6 +128,7 @@ class WorkerSide:
                 sliding_groups.add(group)
         self.sliding_groups = frozenset(sliding_groups)
         self._state_slots = {i: slots[i] for i in self.states}
+        self.state_groups = frozenset(g for _, g in self.states.values())
         try:
             self._exit.enter_context(shortened_switch_interval(self.options.gil_switch_interval_s))
             self.portal = self._exit.enter_context(start_blocking_portal())
@@ -256,7 +258,8 @@ class WorkerSide:
             for tier, pages in held.segments:
                 pages = pages[: got - page]
                 if pages:
-                    plans.append((self._views(tier), self.layout.group_runs(spec.block_ids, page, pages)))
+                    runs = self.layout.group_runs(spec.block_ids, page, pages, self.state_groups)
+                    plans.append((self._views(tier), runs))
                     page += len(pages)
                     last = (tier, pages[-1])
             if self.states and not self._plan_state_load(step, spec, held, got, last):
@@ -265,7 +268,8 @@ class WorkerSide:
             step.loads.append((spec, plans, (got - spec.first_page) * ps, by_tier))
         for spec, res in zip(meta.saves, step.leases.reservations):
             if res is not None and spec.req_id not in step.failed_reqs:
-                step.saves.append((self._views(res.tier), self.layout.group_runs(spec.block_ids, spec.first_page, res.pages)))
+                runs = self.layout.group_runs(spec.block_ids, spec.first_page, res.pages, self.state_groups)
+                step.saves.append((self._views(res.tier), runs))
                 by_group: dict[int, list[int]] = {}
                 for i, (_, g) in self.states.items():
                     by_group.setdefault(g, []).append(i)
@@ -482,7 +486,7 @@ class WorkerSide:
         for tier, pages in segments:
             pages = pages[: end - page]
             if pages:
-                plans.append((self._views(tier), self.layout.group_runs(block_ids, page, pages)))
+                plans.append((self._views(tier), self.layout.group_runs(block_ids, page, pages, self.state_groups)))
                 page += len(pages)
         copy_all([pair for layer, blocks, group in self.layers.values() for views, runs in plans
                   for pair in self.layout.copy_in_pairs(views[layer], blocks, runs[group])])
