@@ -1,13 +1,14 @@
-"""A Mamba hybrid through vLLM with the hicache connector: a random Granite 4 (GraniteMoeHybrid:
-three Mamba-2 layers and one attention layer, ``tiny-granite4``) on the CPU.
+"""Recurrent hybrids through vLLM with the hicache connector, on the CPU: a random Granite 4
+(GraniteMoeHybrid: three Mamba-2 layers and one attention layer, ``tiny-granite4``) and a random
+LFM2 (three short-convolution layers and one attention layer, ``tiny-lfm2``).
 
-vLLM keeps each Mamba layer in a KV cache group of its own and, with prefix caching ("align"
+vLLM keeps each such layer in a (Mamba) KV cache group of its own and, with prefix caching ("align"
 mode), offers the connector the state at the prompt's last block boundary before its last token;
 hicache keeps it as that page's checkpoint (``integrations/vllm/recurrent.py``). vLLM's CPU Mamba
 kernel cannot yet write a block boundary's state inside a longer chunk (``IndexError`` in
 ``mamba_mixer2``, with or without a connector), so every run here schedules at most one block a
-step. A random model's greedy tokens barely depend on the Mamba state, so the sampled tokens'
-logprobs are compared too: a state restored one block off, or not at all, moves them by ~1e-3.
+step. A random model's greedy tokens barely depend on the state, so the sampled tokens' logprobs
+are compared too: a Granite 4 state restored one block off, or not at all, moves them by ~1e-3.
 Engine processes, one host and one file tier:
 
 1. vLLM alone: the reference outputs of a prompt, its continuation and a branch off its third block.
@@ -22,13 +23,15 @@ Engine processes, one host and one file tier:
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from hicache.bench.models import load_model
+from hicache.bench.models import MODELS, load_model
 
 from .test_vllm_connector import run_engine
 
@@ -41,10 +44,26 @@ BRANCH = PROMPT[:300] + [RNG.randrange(3, 999) for _ in range(200)]
 ATOL = 2e-5
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("granite4")
-    load_model("tiny-granite4").save_pretrained(out)
+@pytest.fixture(scope="module", params=["tiny-granite4", "tiny-lfm2"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "tiny-granite4":
+        load_model(request.param).save_pretrained(out)
+        return out
+    # LFM2 with 2 heads of 32 (vLLM's CPU attention has no kernel for 16), and the config fields
+    # vLLM 0.32's LFM2 reads that transformers 5 no longer writes (the same values).
+    import transformers
+
+    preset = MODELS[request.param]
+    assert preset.llama is not None
+    config = getattr(transformers, preset.family)(**preset.llama | {"num_attention_heads": 2, "num_key_value_heads": 1})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to(torch.float32).save_pretrained(out)
+    raw = json.loads((out / "config.json").read_text())
+    raw |= {"conv_dim": raw["hidden_size"], "conv_dim_out": raw["hidden_size"], "block_dim": raw["hidden_size"]}
+    (out / "config.json").write_text(json.dumps(raw))
     return out
 
 
@@ -80,7 +99,7 @@ def _same(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert got["logprobs"] == pytest.approx(want["logprobs"], abs=ATOL)
 
 
-def test_granite4_outputs_are_vllms_own_with_mamba_checkpoints_from_the_host_and_the_file_tier(
+def test_outputs_are_vllms_own_with_mamba_checkpoints_from_the_host_and_the_file_tier(
     tmp_path: Path, model_dir: Path
 ) -> None:
     pages = tmp_path / "pages"
@@ -103,8 +122,8 @@ def test_granite4_outputs_are_vllms_own_with_mamba_checkpoints_from_the_host_and
     assert fresh["phases"][-1]["connector"]["loaded_by_tier"] == {"file": 640}
 
     # A page is 4 cache layers of 32 KiB: the attention layer's KV (the file tier's `layers:full`
-    # part, 32 KiB and a header) and one slot per Mamba layer's 10,112-byte state (`layers:state`,
-    # three slots): the checkpoints are the files over 64 KiB.
+    # part, 32 KiB and a header) and one slot per recurrent layer's state (Granite 4: 10,112 bytes,
+    # LFM2: 768; `layers:state`, three slots): the checkpoints are the files over 64 KiB.
     files = [p for p in pages.rglob("*.kv") if p.is_file()]
     states = [p for p in files if p.stat().st_size > 64 << 10]
     # The prompt's after 384 tokens, the continuation's after 640, the branch's after its own 384;
