@@ -40,7 +40,7 @@ def _llm(spec: dict[str, Any]) -> Any:
             kwargs[key] = spec[key]
     return LLM(
         model=spec["model_dir"],
-        dtype="float32",
+        dtype=spec.get("dtype", "float32"),
         max_model_len=spec.get("max_model_len", 1024),
         max_num_seqs=spec.get("max_num_seqs", 4),
         enforce_eager=True,

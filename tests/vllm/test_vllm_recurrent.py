@@ -1,6 +1,7 @@
 """Recurrent hybrids through vLLM with the hicache connector, on the CPU: a random Granite 4
-(GraniteMoeHybrid: three Mamba-2 layers and one attention layer, ``tiny-granite4``) and a random
-LFM2 (three short-convolution layers and one attention layer, ``tiny-lfm2``).
+(GraniteMoeHybrid: three Mamba-2 layers and one attention layer, ``tiny-granite4``), a random
+LFM2 (three short-convolution layers and one attention layer, ``tiny-lfm2``) and, at the end, a
+random Qwen3-Next (gated delta nets).
 
 vLLM keeps each such layer in a (Mamba) KV cache group of its own and, with prefix caching ("align"
 mode), offers the connector the state at the prompt's last block boundary before its last token;
@@ -135,3 +136,46 @@ def test_outputs_are_vllms_own_with_mamba_checkpoints_from_the_host_and_the_file
     (out,) = _outputs(gone)
     _same(out, alone[1])
     assert out["cached"] == 0
+
+
+def test_qwen3_next_outputs_are_vllms_own_with_gated_delta_net_checkpoints(tmp_path: Path) -> None:
+    """Qwen3-Next (three gated-delta-net layers, one attention layer) as vLLM's CPU platform runs
+    it: bfloat16 only, attention heads of 32 and delta-net heads of 128 (its kernels refuse
+    smaller ones). Its state makes vLLM's block 1,152 tokens, so the prompts are longer: the
+    continuation continues from the prompt's checkpoint after 2,304 tokens, from the host tier,
+    then in a fresh process from the file tier; the branch (off at 1,500) is computed whole."""
+    import transformers
+
+    model = tmp_path / "model"
+    preset = MODELS["tiny-qwen3-next"]
+    assert preset.llama is not None
+    config = getattr(transformers, preset.family)(**preset.llama | {
+        "head_dim": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).to(torch.float32).save_pretrained(model)
+    rng = random.Random(53)
+    prompt = [rng.randrange(3, 999) for _ in range(2600)]
+    continued = prompt + [rng.randrange(3, 999) for _ in range(200)]
+    branch = prompt[:1500] + [rng.randrange(3, 999) for _ in range(900)]
+    pages = tmp_path / "pages"
+
+    def spec(with_pages: bool, phases: list[dict[str, Any]]) -> dict[str, Any]:
+        out = _spec(model, pages if with_pages else None, phases)
+        out |= {"dtype": "bfloat16", "max_model_len": 4096, "kv_cache_bytes": 256 << 20}
+        if with_pages:
+            out["connector"]["overrides"]["tiers"]["host"]["capacity"] = "64MiB"
+        return out
+
+    alone = _outputs(run_engine(tmp_path, "alone", spec(False, _turns([prompt, continued, branch]))))
+    cached = run_engine(tmp_path, "hicache", spec(True, [*_turns([prompt, continued, branch]), {"kind": "stats"}]))
+    outs = _outputs(cached)
+    for got, want in zip(outs, alone):
+        _same(got, want)
+    assert [o["cached"] for o in outs] == [0, 2304, 0]
+    assert cached["phases"][-1]["connector"]["loaded_by_tier"] == {"host": 2304}
+    fresh = run_engine(tmp_path, "fresh", spec(True, [*_turns([continued]), {"kind": "stats"}]))
+    (out,) = _outputs(fresh)
+    _same(out, alone[1])
+    assert out["cached"] == 2304 and fresh["phases"][-1]["connector"]["loaded_by_tier"] == {"file": 2304}
