@@ -31,9 +31,6 @@ from ...errors import UnsupportedModelError
 
 __all__ = ["MambaLayer", "check_align_mode", "mamba_layers", "state_blocks", "state_from_pages", "state_to_pages"]
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
 @dataclass(frozen=True)
 class MambaLayer:
     """One Mamba layer of the model: its KV cache ``group``, the state's text (``layer_kinds``)
@@ -49,6 +46,8 @@ def mamba_layers(kv_cache_config: Any) -> dict[int, MambaLayer]:
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import MambaSpec
 
+    from .settings import DTYPE_NAMES  # settings imports this module
+
     out: dict[int, MambaLayer] = {}
     if kv_cache_config is None:
         return out
@@ -58,7 +57,7 @@ def mamba_layers(kv_cache_config: Any) -> dict[int, MambaLayer]:
             continue
         parts = []
         for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes)):
-            name = _DTYPE_NAMES.get(dtype)
+            name = DTYPE_NAMES.get(dtype)
             if name is None:
                 raise UnsupportedModelError(f"a Mamba state tensor of {dtype} is not supported")
             parts.append(f"s{i}={'x'.join(str(int(d)) for d in shape)}/{name}")

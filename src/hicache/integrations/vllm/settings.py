@@ -150,7 +150,8 @@ def connector_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
                             gil_switch_interval_s=float(switch) if switch else None, pd=_pd_options(extra.get("pd")))
 
 
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+#: the model dtypes the connector serves, by name
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CHUNK = 16 << 20
 
@@ -191,7 +192,7 @@ def _model_section(vllm_config: Any, kv_cache_config: Any = None) -> dict[str, A
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", None):
         raise UnsupportedModelError(f"kv_cache_dtype {cache_dtype!r}: only the model dtype ('auto') is supported")
-    dtype = _DTYPES.get(mc.dtype)
+    dtype = DTYPE_NAMES.get(mc.dtype)
     if dtype is None:
         raise UnsupportedModelError(f"{name}: dtype {mc.dtype} is not supported")
     if mc.quantization:

@@ -129,6 +129,7 @@ class WorkerSide:
         self.sliding_groups = frozenset(sliding_groups)
         self._state_slots = {i: slots[i] for i in self.states}
         self.state_groups = frozenset(g for _, g in self.states.values())
+        self._group_layers = {g: [i for i, (_, h) in self.states.items() if h == g] for g in self.state_groups}
         try:
             self._exit.enter_context(shortened_switch_interval(self.options.gil_switch_interval_s))
             self.portal = self._exit.enter_context(start_blocking_portal())
@@ -270,12 +271,10 @@ class WorkerSide:
             if res is not None and spec.req_id not in step.failed_reqs:
                 runs = self.layout.group_runs(spec.block_ids, spec.first_page, res.pages, self.state_groups)
                 step.saves.append((self._views(res.tier), runs))
-                by_group: dict[int, list[int]] = {}
-                for i, (_, g) in self.states.items():
-                    by_group.setdefault(g, []).append(i)
                 for tokens in spec.checkpoints:
                     page = res.pages[tokens // ps - 1 - spec.first_page]
-                    copies = [(i, block) for g, block, t in spec.states if t == tokens for i in by_group.get(g, ())]
+                    copies = [(i, block) for g, block, t in spec.states if t == tokens
+                              for i in self._group_layers.get(g, ())]
                     step.state_saves.append((res.tier, page, copies))
 
     def _plan_state_load(self, step: _Step, spec: LoadSpec, held: Any, got: int, last: tuple[Any, int] | None) -> bool:
