@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
+from ...dtype_names import DTYPE_NAMES
 from ...errors import UnsupportedModelError
 from ...layer_kinds import FULL, RECURRENT, LayerKind, LayerKinds, StateTensor, parse_state
 
@@ -30,7 +31,6 @@ __all__ = [
 
 #: ``layer_types`` of the Hugging Face configs whose layers keep a recurrent state
 RECURRENT_TYPES = frozenset({"conv", "linear_attention", "mamba"})
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _PROBED = "_hicache_state_kinds"
 _CHUNK_RULE = "torch_chunk_gated_delta_rule"  # the name a gated delta net's forward calls its chunked rule by
 _ARMED = threading.local()  # the RecordingLayer whose layer's forward is running: (layer, tokens before, new tokens)
@@ -81,7 +81,7 @@ def _probe(model: Any, cache_kw: str) -> dict[int, list[StateTensor]]:
             continue
         tensors = []
         for name, t in _named(layer):
-            dtype = _DTYPE_NAMES.get(t.dtype)
+            dtype = DTYPE_NAMES.get(t.dtype)
             if dtype is None:
                 raise UnsupportedModelError(f"{type(model).__name__}: layer {i}'s state is {t.dtype}")
             if t.shape[0] != 1:

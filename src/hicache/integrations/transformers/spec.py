@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import xxhash
 
+from ...dtype_names import DTYPE_NAMES
 from ...errors import UnsupportedModelError
 from ...layer_kinds import LayerKinds, from_hf_config
 
@@ -17,7 +18,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelSpec", "cache_keyword", "model_fingerprint", "model_overrides"]
 
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float64: "float64"}
 _FINGERPRINT_ATTR = "_hicache_fingerprint"
 
 
@@ -43,7 +43,7 @@ class ModelSpec:
             raise UnsupportedModelError(f"{type(model).__name__}: latent-attention (MLA) caches are not supported yet")
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        dtype = _DTYPES.get(model.dtype)
+        dtype = DTYPE_NAMES.get(model.dtype)
         if dtype is None:
             raise UnsupportedModelError(f"{type(model).__name__}: dtype {model.dtype} is not supported")
         return cls(

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ...dtype_names import DTYPE_NAMES
 from ...errors import UnsupportedModelError
 
 __all__ = ["MambaLayer", "check_align_mode", "mamba_layers", "state_blocks", "state_from_pages", "state_to_pages"]
@@ -46,7 +47,6 @@ def mamba_layers(kv_cache_config: Any) -> dict[int, MambaLayer]:
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from .settings import DTYPE_NAMES  # settings imports this module
 
     out: dict[int, MambaLayer] = {}
     if kv_cache_config is None:

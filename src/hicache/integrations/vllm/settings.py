@@ -45,6 +45,7 @@ import yaml
 
 from ...config import HiCacheConfig
 from ...containers import load_config
+from ...dtype_names import DTYPE_NAMES
 from ...errors import ConfigError, UnsupportedModelError
 from ...layer_kinds import FULL, RECURRENT, LayerKind, LayerKinds, from_hf_config
 from .gil import DEFAULT_SWITCH_INTERVAL_S
@@ -151,7 +152,6 @@ def connector_options(extra: Mapping[str, Any] | None) -> ConnectorOptions:
 
 
 #: the model dtypes the connector serves, by name
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _CHUNK = 16 << 20
 
