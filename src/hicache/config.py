@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENV_PREFIX", "SECRET_MASK", "BackendSettingsResolver", "ByteSize", "CodecConfig", "ControllerConfig",
-    "DeviceTierConfig", "HiCacheConfig", "HostTierConfig", "IOConfig", "LoggingConfig", "ModelConfig",
+    "DeviceTierConfig", "HiCacheConfig", "HostTierConfig", "IOConfig", "KVEventsConfig", "LoggingConfig", "ModelConfig",
     "ParallelConfig", "PoliciesConfig", "PrefetchTimeoutConfig", "StorageTierConfig", "TiersConfig",
     "format_size", "mask_url", "parse_size", "read_config", "storage_entry",
 ]
@@ -529,6 +529,35 @@ class LoggingConfig(BaseModel):
     repeat_interval_s: float = Field(default=60.0, ge=0)
 
 
+class KVEventsConfig(BaseModel):
+    """KV events for cache-aware routers (docs/routing.md): what each tier can serve, announced in
+    vLLM's wire format (msgpack ``KVEventBatch`` on a ZMQ PUB socket, replay on a ROUTER socket)."""
+
+    model_config = _FROZEN
+
+    enabled: bool = False
+    #: Where the PUB socket binds (``tcp://127.0.0.1:5557``; ``*`` for every interface).
+    endpoint: str = "tcp://127.0.0.1:5557"
+    #: Where the replay ROUTER socket binds; None: no replay.
+    replay_endpoint: str | None = None
+    topic: str = ""
+    #: The PUB socket's send high-water mark: batches a slow subscriber may owe before ZMQ drops.
+    hwm: _Int = Field(default=100_000, ge=0)
+    #: Batches kept for replay (by sequence number).
+    buffer_steps: _Int = Field(default=10_000, ge=1)
+    #: Events waiting for the publisher thread; past it they are dropped and counted, never waited for.
+    max_queue_size: _Int = Field(default=100_000, ge=1)
+    #: A batch goes out when it has this many events or is this old.
+    batch_events: _Int = Field(default=512, ge=1)
+    batch_interval_s: float = Field(default=0.005, gt=0)
+    #: ``data_parallel_rank`` of each batch (None: not set).
+    data_parallel_rank: _Int | None = None
+    #: Storage tiers (by name) shared by several instances: announced with the medium
+    #: ``SHARED:<tier name>``; every other storage tier is this instance's ``DISK``. None: every
+    #: tier but ``file`` and ``memory`` ones is shared.
+    shared_tiers: list[str] | None = None
+
+
 class ParallelConfig(BaseModel):
     """Which slice of the model this rank's pages hold, for tensor- and pipeline-parallel engines.
 
@@ -577,6 +606,7 @@ class HiCacheConfig(BaseModel):
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    kv_events: KVEventsConfig = Field(default_factory=KVEventsConfig)
 
     @property
     def slot_bytes(self) -> int:

@@ -27,6 +27,7 @@ from .config import HiCacheConfig, StorageTierConfig, read_config
 from .config import storage_entry as described_storage_entry
 from .controller.controller import CacheController
 from .errors import ConfigError
+from .events.journal import EventJournal
 from .io.direct import DirectIOBackend
 from .io.kernel import KernelIOBackend
 from .io.transfer import TransferEngine
@@ -235,6 +236,32 @@ def inspection_target(
     return entry, cls(**cls.inspection_options(entry.options)), parts if parts is not None else tier_page_codec(codec, entry)
 
 
+#: Storage backends whose pages only this instance reads (their events say ``DISK``, not a shared tier).
+_LOCAL_KINDS = frozenset({"file", "memory", "nixl"})
+
+
+def kv_events_from_config(config: HiCacheConfig) -> EventJournal | None:
+    """The journal and ZMQ publisher of ``kv_events``, or None when off."""
+    ev = config.kv_events
+    if not ev.enabled:
+        return None
+    try:
+        from .events.zmq_publisher import ZmqEventPublisher
+    except ImportError as exc:
+        raise ConfigError(f"kv_events needs pyzmq and msgpack ({exc}): pip install 'hicache[events]'") from exc
+    publisher = ZmqEventPublisher(
+        ev.endpoint, replay_endpoint=ev.replay_endpoint, topic=ev.topic, hwm=ev.hwm, buffer_steps=ev.buffer_steps,
+        max_queue_size=ev.max_queue_size, batch_events=ev.batch_events, batch_interval_s=ev.batch_interval_s,
+        data_parallel_rank=ev.data_parallel_rank,
+    )
+    named = frozenset(ev.shared_tiers or ())
+
+    def shared(name: str, kind: str) -> bool:
+        return name in named if ev.shared_tiers is not None else kind not in _LOCAL_KINDS
+
+    return EventJournal(publisher, page_size=config.page_size, shared=shared)
+
+
 class Container(containers.DeclarativeContainer):
     config = providers.Dependency(instance_of=HiCacheConfig)
 
@@ -337,9 +364,11 @@ class Container(containers.DeclarativeContainer):
         writes_storage=namespace.provided.writes_storage,
     )
 
+    events = providers.Singleton(kv_events_from_config, config)
+
     cache = providers.Singleton(
         HiCache, config, controller, namespace, build_storage_tier=storage_tier_builder,
-        check_storage_entry=providers.Object(storage_entry),
+        check_storage_entry=providers.Object(storage_entry), events=events,
     )
 
 

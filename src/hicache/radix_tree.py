@@ -34,7 +34,7 @@ from __future__ import annotations
 import itertools
 import time
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -189,6 +189,8 @@ class TreeNode:
                 parent.device_children += 1 if new is not None else -1
                 if new is None:
                     tree.note(parent)  # it may have become a device leaf
+            if tree.residency_hook is not None:
+                tree.residency_hook(self, "device", new is not None)
         tree.note(self)
 
     @property
@@ -205,9 +207,12 @@ class TreeNode:
         old = self._host
         new = None if pages is None else _pack(pages, n)
         self._host = new
+        tree = self.tree
         if self.lease_ref and self._device is None:
-            self.tree.leased_pages["host"] += _count(new, n) - _count(old, n)
-        self.tree.note(self)
+            tree.leased_pages["host"] += _count(new, n) - _count(old, n)
+        if (old is None) != (new is None) and tree.residency_hook is not None:
+            tree.residency_hook(self, "host", new is not None)
+        tree.note(self)
 
     @property
     def on_device(self) -> bool:
@@ -315,6 +320,9 @@ class HiRadixTree:
         #: the evictor last looked; each appears once (``CHANGED`` mark). Removed nodes may appear.
         self.changed: list[TreeNode] = []
         self.size = 0  # nodes, the root excluded
+        #: Told ``(node, "device" | "host", now_held)`` when a node gains or loses a tier's copy
+        #: (splits move pages without telling: nothing changes for them). The KV events listen here.
+        self.residency_hook: Callable[[TreeNode, str, bool], None] | None = None
         self.root = TreeNode(self, None, b"", b"")
         self.root.lock_ref = 1  # the root is never evicted
 

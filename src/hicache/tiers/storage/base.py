@@ -222,6 +222,9 @@ class StorageBackend(ABC):
         self._errors = self._timeouts = 0
         self.evicted_pages = 0
         self.corrupt_pages = 0
+        #: Told the keys this backend no longer holds (deleted, evicted, found unusable); None for
+        #: all of them (cleared). The cache's KV events listen here (``events/journal.py``).
+        self.removed_hook: Callable[[Sequence[bytes] | None], None] | None = None
 
     @property
     def writable(self) -> bool:
@@ -314,13 +317,24 @@ class StorageBackend(ABC):
     async def delete(self, keys: Sequence[bytes]) -> None:
         """Remove ``keys`` (missing ones are ignored): used to drop pages that failed verification."""
         self._check_keys(keys)
-        for start in range(0, len(keys), self.max_batch):
-            await self._call("delete", self._delete, keys[start : start + self.max_batch])
+        try:
+            for start in range(0, len(keys), self.max_batch):
+                await self._call("delete", self._delete, keys[start : start + self.max_batch])
+        finally:
+            self._removed(keys)  # a failed delete may have removed some: no longer promised
 
     async def clear(self) -> None:
         """Remove every page this backend holds."""
         self._check_open()
-        await self._call("clear", self._clear)
+        try:
+            await self._call("clear", self._clear)
+        finally:
+            self._removed(None)
+
+    def _removed(self, keys: Sequence[bytes] | None) -> None:
+        """Report keys no longer held (None: all); a backend that drops pages itself calls it too."""
+        if self.removed_hook is not None and (keys is None or keys):
+            self.removed_hook(keys)
 
     def stats(self) -> StorageBackendStats:
         used, capacity, pages = self._usage()

@@ -345,6 +345,7 @@ class FileBackend(StorageBackend):
 
     def _forget(self, key: bytes) -> None:
         self._index.forget(key)
+        self._removed((key,))
 
     # -- the three operations -------------------------------------------------------------------
 

@@ -123,6 +123,8 @@ class StorageTier:
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.detached = False  # set by detach: no new backend call starts
+        #: Told ``(tier name, page keys, storage keys)`` of pages written and sealed (the KV events).
+        self.stored_hook: Callable[[str, Sequence[bytes], Sequence[bytes]], None] | None = None
         self._in_flight = 0
         self._idle = anyio.Event()
         self._idle.set()
@@ -524,9 +526,12 @@ class StorageTier:
         if not self._enter():
             return 0
         try:
-            return await self._store(keys, host_pages, source)
+            done = await self._store(keys, host_pages, source)
         finally:
             self._exit()
+        if done and self.stored_hook is not None:
+            self.stored_hook(self.name, keys[:done], self.codec.storage_keys(keys[:done]))
+        return done
 
     async def _store(
         self, keys: Sequence[bytes], host_pages: Sequence[int], source: PageSource | None = None
@@ -590,6 +595,7 @@ class StorageTier:
         self.failures += 1
         if self._healthy:
             self._healthy = False
+            self.backend._removed(None)  # its pages cannot be promised until it answers again
             log.warning(
                 "storage tier %s: %s; treated as misses (more failures logged at debug level; %d so far)",
                 self.name, exc, self.failures,

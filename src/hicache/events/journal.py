@@ -1,0 +1,223 @@
+"""The event journal: residency changes of the tree's tiers and of storage tiers, as KV events.
+
+It listens where pages gain and lose a copy, and nowhere else:
+
+* the tree's ``residency_hook``: a node gained or lost its device or host copy (splits move pages
+  without telling, since nothing changes for a router);
+* each storage tier's writes (``stored``: pages written and sealed, so readable and verified) and
+  its backend's ``removed_hook`` (deleted, evicted, failed verification, cleared), plus a tier
+  detached or failing (every page it was announced with is removed: this instance can no longer
+  promise them).
+
+A page is announced ``BlockStored`` for a medium when it first holds a copy there, ``BlockRemoved``
+when it holds none there any more; a router's union over media is then what this instance can
+serve. It keeps, per page with at least one copy, its parent's hash and its token ids (a storage
+write carries only keys), so a page first stored to a tier is announced with the same chain as in
+memory. A page written to storage without being known (never in the tree here) is not announced,
+and counted (``unannounced``).
+
+Storage tiers are told their keys after the codec's renaming (``storage_keys``); the journal keeps
+each tier's storage key -> page key for the pages it announced there, so removals by storage key
+find their page.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import CPU, DISK, GPU, REMOTE, SHARED_OWNER_PREFIX, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored
+from .base import EventSink, KVEvent
+
+__all__ = ["EventJournal", "Medium", "block_hash"]
+
+_PERSON = b"hicache-kv-event"  # the digest's domain: a block hash is not a page key nor a storage name
+
+
+def block_hash(page_key: bytes) -> int:
+    """The 64-bit hash a router sees for a page: one-way from the page key (keyed namespaces' keys
+    stay secret), unsigned, as vLLM's integer block hashes are."""
+    return int.from_bytes(hashlib.blake2b(page_key, digest_size=8, person=_PERSON).digest(), "big")
+
+
+@dataclass(frozen=True, slots=True)
+class Medium:
+    """Where a copy is, in the events' terms."""
+
+    medium: str
+    locality: str | None = None
+    ownership: str | None = None
+
+
+DEVICE_MEDIUM = Medium(GPU)
+HOST_MEDIUM = Medium(CPU)
+
+
+def storage_medium(tier_name: str, shared: bool) -> Medium:
+    return Medium(STORAGE, REMOTE, SHARED_OWNER_PREFIX + tier_name) if shared else Medium(DISK)
+
+
+class _Page:
+    __slots__ = ("where", "parent", "tokens")
+
+    def __init__(self, parent: int | None, tokens: list[int]) -> None:
+        self.where: set[Medium] = set()
+        self.parent = parent
+        self.tokens = tokens
+
+
+class EventJournal:
+    """Turns residency changes into events for ``sink``. Thread-safe (storage backends may report
+    from their threads); never blocks on the sink."""
+
+    def __init__(self, sink: EventSink, *, page_size: int, shared: Callable[[str, str], bool]) -> None:
+        self.sink = sink
+        self.page_size = page_size
+        self._shared = shared  # (tier name, backend kind) -> whether instances share the tier
+        self._pages: dict[bytes, _Page] = {}  # page key -> its copies and chain
+        self._storage: dict[str, dict[bytes, bytes]] = {}  # tier name -> storage key -> page key
+        self._media: dict[str, Medium] = {}
+        self._lock = threading.Lock()
+        self.unannounced = 0  # pages written to storage that this journal never knew
+        self.stored_events = self.removed_events = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Start the sink and announce a clean slate (what a previous process announced is gone)."""
+        self.sink.start()
+        self.clear_all()
+
+    def close(self) -> None:
+        """Announce that this instance serves nothing any more, then stop the sink (after sending)."""
+        self.clear_all()
+        self.sink.close()
+
+    def clear_all(self) -> None:
+        """Announce that nothing announced before holds (a start, a restart, a close)."""
+        with self._lock:
+            self._pages.clear()
+            for keys in self._storage.values():
+                keys.clear()
+            self.sink.put([AllBlocksCleared()])
+
+    # -- the tree -------------------------------------------------------------------------------
+
+    def residency(self, node, tier: str, held: bool) -> None:  # noqa: ANN001 - a TreeNode
+        """The tree's ``residency_hook``."""
+        medium = DEVICE_MEDIUM if tier == "device" else HOST_MEDIUM
+        keys = node.keys
+        with self._lock:
+            if held:
+                parent = node.parent
+                prev = parent.key(-1) if parent is not None and parent.num_pages else None
+                tokens = np.frombuffer(node.tokens, dtype=np.int64)
+                ps = self.page_size
+                entries = []
+                for i, key in enumerate(keys):
+                    page = self._pages.get(key)
+                    if page is None:
+                        page = self._pages[key] = _Page(
+                            block_hash(prev) if prev is not None else None, tokens[i * ps : (i + 1) * ps].tolist()
+                        )
+                    entries.append((key, page))
+                    prev = key
+                self._add(entries, medium)
+            else:
+                self._drop(keys, medium)
+
+    # -- storage tiers --------------------------------------------------------------------------
+
+    def watch(self, tier) -> None:  # noqa: ANN001 - a StorageTier
+        """Follow a storage tier: its writes (``tier.stored_hook``) and its backend's removals."""
+        name = tier.name
+        with self._lock:
+            self._media[name] = storage_medium(name, self._shared(name, tier.backend.kind))
+            self._storage.setdefault(name, {})
+        tier.stored_hook = self.stored
+        tier.backend.removed_hook = lambda keys: self.removed(name, keys)
+
+    def unwatch(self, tier) -> None:  # noqa: ANN001 - a StorageTier
+        """A tier detached or lost: every page announced there is removed."""
+        self.removed(tier.name, None)
+        tier.stored_hook = None
+        tier.backend.removed_hook = None
+
+    def stored(self, tier_name: str, page_keys: Sequence[bytes], storage_keys: Sequence[bytes]) -> None:
+        """Pages written to a tier (sealed: a read verifies them)."""
+        with self._lock:
+            medium = self._media.get(tier_name)
+            if medium is None:
+                return
+            names = self._storage[tier_name]
+            entries = []
+            for key, skey in zip(page_keys, storage_keys, strict=True):
+                page = self._pages.get(key)
+                if page is None:
+                    self.unannounced += 1
+                    continue
+                names[skey] = key
+                entries.append((key, page))
+            self._add(entries, medium)
+
+    def removed(self, tier_name: str, storage_keys: Sequence[bytes] | None) -> None:
+        """Storage keys a tier no longer holds (None: all it was announced with)."""
+        with self._lock:
+            medium = self._media.get(tier_name)
+            names = self._storage.get(tier_name)
+            if medium is None or names is None:
+                return
+            if storage_keys is None:
+                keys = list(names.values())
+                names.clear()
+            else:
+                keys = [k for k in (names.pop(s, None) for s in storage_keys) if k is not None]
+            self._drop(keys, medium)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _add(self, entries: list[tuple[bytes, _Page]], medium: Medium) -> None:
+        """Announce the entries that did not hold a copy in ``medium``, as runs of a chain."""
+        events: list[KVEvent] = []
+        run: list[tuple[int, _Page]] = []
+        for key, page in entries:
+            if medium in page.where:
+                continue
+            page.where.add(medium)
+            h = block_hash(key)
+            if run and page.parent != run[-1][0]:
+                events.append(self._stored(run, medium))
+                run = []
+            run.append((h, page))
+        if run:
+            events.append(self._stored(run, medium))
+        if events:
+            self.stored_events += len(events)
+            self.sink.put(events)
+
+    def _stored(self, run: list[tuple[int, _Page]], medium: Medium) -> BlockStored:
+        tokens: list[int] = []
+        for _, page in run:
+            tokens += page.tokens
+        return BlockStored(
+            [h for h, _ in run], run[0][1].parent, tokens, self.page_size, medium.medium, medium.locality,
+            medium.ownership,
+        )
+
+    def _drop(self, keys: Sequence[bytes], medium: Medium) -> None:
+        hashes = []
+        for key in keys:
+            page = self._pages.get(key)
+            if page is None or medium not in page.where:
+                continue
+            page.where.discard(medium)
+            if not page.where:
+                del self._pages[key]
+            hashes.append(block_hash(key))
+        if hashes:
+            self.removed_events += 1
+            self.sink.put([BlockRemoved(hashes, medium.medium, medium.locality, medium.ownership)])
