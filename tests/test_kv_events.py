@@ -116,3 +116,127 @@ async def test_index_from_events_predicts_every_served_hit(tmp_path) -> None:
     assert stats.storage["disk"].backend.evicted_pages > 0
     removed = {e.medium for batch in router.batches for e in batch if isinstance(e, BlockRemoved)}
     assert {"GPU", "CPU", "DISK"} <= removed
+
+
+async def test_shared_tier_blocks_are_a_hit_for_every_instance_that_reads_it(tmp_path) -> None:
+    """Two instances on one folder, named shared: what A wrote is B's hit, announced once for the tier."""
+    cfg = events_config(tmp_path, shared=["disk"], file_pages=200)
+    index = PrefixIndex()
+    tokens = make_tokens(6 * PAGE + 1, seed=7)
+    async with HiCache.from_config(cfg) as a, HiCache.from_config(cfg) as b:
+        ra, rb = Router(a, "a", index), Router(b, "b", index)
+        try:
+            await a.store(tokens, make_kv(a.config, len(tokens)))
+            await ra.sync(a)
+            await rb.sync(b)
+            stored = [e for batch in ra.batches for e in batch if isinstance(e, BlockStored) and e.medium == "STORAGE"]
+            assert stored and all((e.locality, e.ownership) == ("REMOTE", "hicache:disk") for e in stored)
+            assert index.hit(tokens, "b") == 6 * PAGE  # B never stored it: the shared tier is its hit
+            assert index.hit(tokens, "b", shared=False) == 0
+            async with b.retrieve(tokens) as view:
+                await view.wait_all()
+                assert view.tokens == 6 * PAGE and view.by_tier["disk"] == 6 * PAGE
+            # A leaving (its close clears what A announced) keeps the tier's blocks for B
+        finally:
+            ra.close()
+    async with HiCache.from_config(cfg) as b2:  # noqa: F841 - the index outlives the instances
+        pass
+    assert index.hit(tokens, "b") == 6 * PAGE
+    rb.close()
+
+
+async def test_a_late_subscriber_catches_up_by_replay_and_removals_follow_loss(tmp_path) -> None:
+    cfg = events_config(tmp_path)
+    tokens = make_tokens(5 * PAGE + 1, seed=3)
+    async with HiCache.from_config(cfg) as cache:
+        await cache.store(tokens, make_kv(cache.config, len(tokens)))
+        await cache.wait_idle()
+        seq = await anyio.to_thread.run_sync(cache.events.sink.flush)
+        assert seq >= 2
+        router = Router(cache)  # joins after every batch went out: only the replay has them
+        try:
+            await router.sync(cache)
+            assert router.sub.replayed == seq and router.sub.missed == 0
+            assert router.index.hit(tokens, "a") == 5 * PAGE
+            # a corrupt page in storage: the read finds it, the hit is shorter, and it is removed
+            from .helpers import push_to_storage
+
+            await push_to_storage(cache)
+            await router.sync(cache)
+            assert router.index.hit(tokens, "a") == 5 * PAGE  # storage only now
+            files = sorted((tmp_path / "pages").rglob("*.kv"), key=lambda f: f.stat().st_mtime_ns)
+            assert len(files) == 5
+            victim = files[2]
+            data = bytearray(victim.read_bytes())
+            data[-1] ^= 0xFF
+            victim.write_bytes(bytes(data))
+            async with cache.retrieve(tokens) as view:
+                await view.wait_all()
+                served = view.tokens
+            assert served < 5 * PAGE
+            await router.sync(cache)
+            assert router.index.hit(tokens, "a") == served
+            # a detached tier: everything it was announced with is removed
+            await cache.detach_storage("disk")
+            await push_to_storage(cache)
+            await router.sync(cache)
+            assert router.index.hit(tokens, "a") == 0
+        finally:
+            router.close()
+
+
+async def test_a_full_queue_drops_and_counts_then_announces_a_clean_slate(tmp_path) -> None:
+    """The cache never waits for events: past the queue they are dropped, and the journal then
+    re-announces what holds, so the index is right again."""
+    cfg = events_config(tmp_path, file_pages=400)
+    async with HiCache.from_config(cfg) as cache:
+        pub = cache.events.sink
+        router = Router(cache)
+        try:
+            await router.sync(cache)
+            pub.max_queue_size = 3  # a burst is bigger than that
+            chats = [make_tokens(4 * PAGE + 1, seed=20 + i) for i in range(6)]
+            for chat in chats:
+                await cache.store(chat, make_kv(cache.config, len(chat)))
+            await cache.wait_idle()
+            assert pub.dropped_events > 0
+            pub.max_queue_size = 100_000
+            extra = make_tokens(2 * PAGE, seed=99)  # the next event finds room: a clean slate first
+            await cache.store(extra, make_kv(cache.config, len(extra)))
+            await router.sync(cache)
+            assert cache.events.resyncs >= 1
+            for chat in chats + [extra]:
+                lookup = await cache.lookup(chat, prefetch=False)
+                assert router.index.hit(chat, "a") == lookup.tokens
+        finally:
+            router.close()
+
+
+async def test_keyed_namespaces_publish_no_page_key_or_storage_name(tmp_path) -> None:
+    cfg = events_config(tmp_path, tenant_key="k" * 32)
+    payloads: list[bytes] = []
+    tokens = make_tokens(4 * PAGE + 1, seed=5)
+    async with HiCache.from_config(cfg) as cache:
+        router = Router(cache)
+        try:
+            import zmq
+
+            sub = zmq.Context.instance().socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(cache.events.sink.bound_endpoint)
+            await anyio.sleep(0.2)
+            await cache.store(tokens, make_kv(cache.config, len(tokens)))
+            await router.sync(cache)
+            while sub.poll(200):
+                payloads.append(sub.recv_multipart()[2])
+            sub.close(0)
+            keys = [k for node in cache.controller.tree.nodes() for k in node.keys]
+            names = cache.controller.storage[0].codec.storage_keys(keys)
+        finally:
+            router.close()
+    blob = b"".join(payloads)
+    assert payloads and len(keys) == 4
+    for secret in list(keys) + list(names):
+        for piece in (secret, secret[:8], secret[-8:], secret.hex().encode()):
+            assert piece not in blob
+    assert b"k" * 16 not in blob

@@ -63,9 +63,12 @@ KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
 
 class EventSink(Protocol):
     """Where a journal's events go. ``put`` must never block or raise: a sink that cannot keep
-    up drops and counts (the cache never waits for a router)."""
+    up drops them, counts them and returns False (the cache never waits for a router; the journal
+    then announces a clean slate and what holds now, once the sink has room)."""
 
-    def put(self, events: Sequence[KVEvent]) -> None: ...
+    def put(self, events: Sequence[KVEvent]) -> bool: ...
+
+    def has_room(self, events: int) -> bool: ...
 
     def start(self) -> None: ...
 

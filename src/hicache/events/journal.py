@@ -9,6 +9,13 @@ It listens where pages gain and lose a copy, and nowhere else:
   detached or failing (every page it was announced with is removed: this instance can no longer
   promise them).
 
+When the sink drops events (it never waits), a router's index may miss some; the journal then
+announces ``AllBlocksCleared`` and every page it holds, medium by medium, as soon as the sink has
+room for all of it (``resyncs`` counts them).
+
+A shared tier (several instances read it) detached or failing here is forgotten without removals:
+its pages are still there for the others; its deletions and evictions are announced as any tier's.
+
 A page is announced ``BlockStored`` for a medium when it first holds a copy there, ``BlockRemoved``
 when it holds none there any more; a router's union over media is then what this instance can
 serve. It keeps, per page with at least one copy, its parent's hash and its token ids (a storage
@@ -84,6 +91,8 @@ class EventJournal:
         self._lock = threading.Lock()
         self.unannounced = 0  # pages written to storage that this journal never knew
         self.stored_events = self.removed_events = 0
+        self.resyncs = 0  # clean slates announced after the sink dropped events
+        self._lost = False  # the sink dropped events since the last clean slate
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -103,7 +112,7 @@ class EventJournal:
             self._pages.clear()
             for keys in self._storage.values():
                 keys.clear()
-            self.sink.put([AllBlocksCleared()])
+            self._lost = not self.sink.put([AllBlocksCleared()])
 
     # -- the tree -------------------------------------------------------------------------------
 
@@ -174,6 +183,14 @@ class EventJournal:
             if storage_keys is None:
                 keys = list(names.values())
                 names.clear()
+                if medium.locality == REMOTE:  # shared: still there for the other instances
+                    for key in keys:
+                        page = self._pages.get(key)
+                        if page is not None:
+                            page.where.discard(medium)
+                            if not page.where:
+                                del self._pages[key]
+                    return
             else:
                 keys = [k for k in (names.pop(s, None) for s in storage_keys) if k is not None]
             self._drop(keys, medium)
@@ -197,7 +214,7 @@ class EventJournal:
             events.append(self._stored(run, medium))
         if events:
             self.stored_events += len(events)
-            self.sink.put(events)
+            self._put(events)
 
     def _stored(self, run: list[tuple[int, _Page]], medium: Medium) -> BlockStored:
         tokens: list[int] = []
@@ -220,4 +237,28 @@ class EventJournal:
             hashes.append(block_hash(key))
         if hashes:
             self.removed_events += 1
-            self.sink.put([BlockRemoved(hashes, medium.medium, medium.locality, medium.ownership)])
+            self._put([BlockRemoved(hashes, medium.medium, medium.locality, medium.ownership)])
+
+    def _put(self, events: list[KVEvent]) -> None:
+        if self._lost:
+            self._resync()
+            if self._lost:
+                return  # still no room: the clean slate to come covers these
+        if not self.sink.put(events):
+            self._lost = True
+
+    def _resync(self) -> None:
+        """A clean slate and every page that holds now, once the sink has room for all of it."""
+        by_medium: dict[Medium, list[BlockStored]] = {}
+        for key, page in self._pages.items():
+            for medium in page.where:
+                by_medium.setdefault(medium, []).append(BlockStored(
+                    [block_hash(key)], page.parent, page.tokens, self.page_size, medium.medium, medium.locality,
+                    medium.ownership,
+                ))
+        events: list[KVEvent] = [AllBlocksCleared()]
+        for stored in by_medium.values():
+            events += stored
+        if self.sink.has_room(len(events)) and self.sink.put(events):
+            self._lost = False
+            self.resyncs += 1

@@ -8,6 +8,7 @@ vLLM's publisher and hicache's alike. Synchronous, one thread; every wait is bou
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import zmq
@@ -49,18 +50,13 @@ class EventSubscriber:
 
     def until(self, seq: int, timeout_s: float = 10.0) -> None:
         """Take batches until every one before ``seq`` is in; TimeoutError past ``timeout_s``."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         while self.next_seq < seq:
             left = deadline - time.monotonic()
             if left <= 0:
-                if self.replay_endpoint is not None:
-                    self._replay(self.next_seq, seq)
-                    if self.next_seq >= seq:
-                        return
                 raise TimeoutError(f"KV events: batch {self.next_seq} of {seq} never came")
-            self.poll(min(left, 0.05))
+            if not self.poll(min(left, 0.05)) and self.replay_endpoint is not None:
+                self._replay(self.next_seq, seq)  # quiet, yet behind: joined late or lost them
 
     def _take(self, seq: int, payload: bytes) -> int:
         if seq < self.next_seq:

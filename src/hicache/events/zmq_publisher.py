@@ -72,14 +72,19 @@ class ZmqEventPublisher:
 
     # -- the cache's side -----------------------------------------------------------------------
 
-    def put(self, events: Sequence[KVEvent]) -> None:
-        """Queue events; never blocks. Past ``max_queue_size`` they are dropped and counted."""
-        if len(self._queue) + len(events) > self.max_queue_size:
+    def put(self, events: Sequence[KVEvent]) -> bool:
+        """Queue events; never blocks. Past ``max_queue_size`` they are dropped, counted, and
+        False is returned."""
+        if not self.has_room(len(events)):
             self.dropped_events += len(events)
-            return
+            return False
         self._queue.extend(events)  # deque.extend is atomic under the GIL
         if len(self._queue) >= self.batch_events:
             self._wake.set()
+        return True
+
+    def has_room(self, events: int) -> bool:
+        return len(self._queue) + events <= self.max_queue_size
 
     def start(self) -> None:
         """Bind the sockets (in the publisher's thread) and start it; a bad endpoint raises here."""
