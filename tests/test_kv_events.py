@@ -129,8 +129,8 @@ async def test_shared_tier_blocks_are_a_hit_for_every_instance_that_reads_it(tmp
             await a.store(tokens, make_kv(a.config, len(tokens)))
             await ra.sync(a)
             await rb.sync(b)
-            stored = [e for batch in ra.batches for e in batch if isinstance(e, BlockStored) and e.medium == "STORAGE"]
-            assert stored and all((e.locality, e.ownership) == ("REMOTE", "hicache:disk") for e in stored)
+            stored = [e for batch in ra.batches for e in batch if isinstance(e, BlockStored) and e.medium == "SHARED"]
+            assert stored and all((e.locality, e.ownership) == (None, None) for e in stored)
             assert index.hit(tokens, "b") == 6 * PAGE  # B never stored it: the shared tier is its hit
             assert index.hit(tokens, "b", shared=False) == 0
             async with b.retrieve(tokens) as view:

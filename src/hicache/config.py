@@ -536,6 +536,11 @@ class KVEventsConfig(BaseModel):
     model_config = _FROZEN
 
     enabled: bool = False
+    #: ``zmq``: hicache's own publisher (below); ``engine``: kept for the engine to publish with its
+    #: own events (the vLLM connector sets it when vLLM's ``--kv-events-config`` enables events).
+    sink: Literal["zmq", "engine"] = "zmq"
+    #: Announce the device tier (off where the engine announces its own device blocks, as vLLM does).
+    device: bool = True
     #: Where the PUB socket binds (``tcp://127.0.0.1:5557``; ``*`` for every interface).
     endpoint: str = "tcp://127.0.0.1:5557"
     #: Where the replay ROUTER socket binds; None: no replay.
@@ -552,9 +557,9 @@ class KVEventsConfig(BaseModel):
     batch_interval_s: float = Field(default=0.005, gt=0)
     #: ``data_parallel_rank`` of each batch (None: not set).
     data_parallel_rank: _Int | None = None
-    #: Storage tiers (by name) shared by several instances: announced with the medium
-    #: ``SHARED:<tier name>``; every other storage tier is this instance's ``DISK``. None: every
-    #: tier but ``file`` and ``memory`` ones is shared.
+    #: Storage tiers (by name) shared by several instances: announced with the medium ``SHARED``;
+    #: every other storage tier is this instance's ``DISK``. None: every tier but ``file``,
+    #: ``memory`` and ``nixl`` ones is shared.
     shared_tiers: list[str] | None = None
 
 

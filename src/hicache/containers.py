@@ -17,16 +17,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dependency_injector import containers, providers
 
 from .cache import HiCache
-from .config import HiCacheConfig, StorageTierConfig, read_config
+from .config import HiCacheConfig, KVEventsConfig, StorageTierConfig, read_config
 from .config import storage_entry as described_storage_entry
 from .controller.controller import CacheController
 from .errors import ConfigError
+from .events.buffer import EventBuffer
 from .events.journal import EventJournal
 from .io.direct import DirectIOBackend
 from .io.kernel import KernelIOBackend
@@ -245,6 +246,9 @@ def kv_events_from_config(config: HiCacheConfig) -> EventJournal | None:
     ev = config.kv_events
     if not ev.enabled:
         return None
+    if ev.sink == "engine":
+        return EventJournal(EventBuffer(ev.max_queue_size), page_size=config.page_size, shared=_shared(ev),
+                            device=ev.device)
     try:
         from .events.zmq_publisher import ZmqEventPublisher
     except ImportError as exc:
@@ -254,12 +258,17 @@ def kv_events_from_config(config: HiCacheConfig) -> EventJournal | None:
         max_queue_size=ev.max_queue_size, batch_events=ev.batch_events, batch_interval_s=ev.batch_interval_s,
         data_parallel_rank=ev.data_parallel_rank,
     )
+    return EventJournal(publisher, page_size=config.page_size, shared=_shared(ev), device=ev.device)
+
+
+def _shared(ev: KVEventsConfig) -> Callable[[str, str], bool]:
+    """Whether a storage tier (name, backend kind) is shared by instances (``kv_events.shared_tiers``)."""
     named = frozenset(ev.shared_tiers or ())
 
     def shared(name: str, kind: str) -> bool:
         return name in named if ev.shared_tiers is not None else kind not in _LOCAL_KINDS
 
-    return EventJournal(publisher, page_size=config.page_size, shared=shared)
+    return shared
 
 
 class Container(containers.DeclarativeContainer):

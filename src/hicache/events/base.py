@@ -6,9 +6,10 @@ subscribes to vLLM workers reads hicache's with the same decoder; ``wire.py`` is
 * ``BlockStored``: blocks (pages) this instance can now serve from ``medium``, each a whole page,
   chained by ``parent_block_hash`` and carrying its ``token_ids``, so a consumer can rebuild its own
   hashes. ``medium`` names the tier: ``GPU`` (device), ``CPU`` (host), ``DISK`` (a storage tier of
-  this instance), or ``STORAGE`` with ``locality="REMOTE"`` and ``ownership="hicache:<tier name>"``
-  for a storage tier several instances read (vLLM's fields for offloading tiers): a hit on every
-  instance that has that tier attached.
+  this instance) or ``SHARED`` (a storage tier several instances read: a hit on every instance that
+  has it attached). Dynamo 1.6.1's indexer maps these to its device, host-pinned, disk and external
+  tiers; it drops an event whose ``locality`` is ``REMOTE`` or that has an ``ownership``, so hicache
+  sets neither (they are decoded from vLLM's own offloading events).
 * ``BlockRemoved``: blocks ``medium`` can no longer serve.
 * ``AllBlocksCleared``: forget everything this publisher announced (a start, a restart).
 
@@ -22,16 +23,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, Union
 
-__all__ = ["GPU", "CPU", "DISK", "STORAGE", "REMOTE", "SHARED_OWNER_PREFIX", "BlockStored", "BlockRemoved", "AllBlocksCleared", "KVEvent",
-           "EventSink"]
+__all__ = ["GPU", "CPU", "DISK", "SHARED", "STORAGE", "REMOTE", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+           "KVEvent", "EventSink"]
 
 GPU = "GPU"
 CPU = "CPU"
 DISK = "DISK"
-#: A storage tier shared by instances: medium ``STORAGE``, locality ``REMOTE``, ownership naming it.
+#: A storage tier shared by instances (Dynamo's "external" tier).
+SHARED = "SHARED"
+#: vLLM's offloading tiers: medium STORAGE, locality LOCAL or REMOTE (a REMOTE one is shared).
 STORAGE = "STORAGE"
 REMOTE = "REMOTE"
-SHARED_OWNER_PREFIX = "hicache:"
 
 
 @dataclass(frozen=True, slots=True)

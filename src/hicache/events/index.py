@@ -3,8 +3,9 @@
 Each event batch is applied for the instance it came from. ``BlockStored`` teaches the index a chain
 (``parent_block_hash`` plus each block's ``token_ids``) and where each block is held; ``BlockRemoved``
 forgets one medium; ``AllBlocksCleared`` forgets everything of that instance. A block announced in a
-shared tier (medium ``STORAGE``, locality ``REMOTE``) is held by the tier (its ``ownership``), so it
-counts for every instance that reads that tier, whichever instance announced it.
+shared tier (medium ``SHARED``; or vLLM's ``STORAGE`` with locality ``REMOTE``, per ``ownership``) is
+held by the tier, so it counts for every instance (all are taken to read the shared tiers), whichever
+instance announced it, and outlives that instance's ``AllBlocksCleared``.
 
 ``hit(tokens, instance)`` walks the request's whole blocks from the start, as a router scores an
 instance: the tokens of the longest prefix whose every block is held by that instance or by a shared
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from .base import REMOTE, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from .base import REMOTE, SHARED, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["PrefixIndex"]
 
@@ -34,8 +35,10 @@ class PrefixIndex:
     @staticmethod
     def _holder(instance: str, where: _Where) -> str:
         medium, locality, ownership = where
-        if medium == STORAGE and locality == REMOTE and ownership:
-            return "shared:" + ownership
+        if medium == SHARED:
+            return "shared:"
+        if medium == STORAGE and locality == REMOTE:
+            return "shared:" + (ownership or "")
         return instance
 
     def apply(self, instance: str, events: Iterable[KVEvent]) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import CPU, DISK, GPU, REMOTE, SHARED_OWNER_PREFIX, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored
+from .base import CPU, DISK, GPU, SHARED, AllBlocksCleared, BlockRemoved, BlockStored
 from .base import EventSink, KVEvent
 
 __all__ = ["EventJournal", "Medium", "block_hash"]
@@ -64,8 +64,8 @@ DEVICE_MEDIUM = Medium(GPU)
 HOST_MEDIUM = Medium(CPU)
 
 
-def storage_medium(tier_name: str, shared: bool) -> Medium:
-    return Medium(STORAGE, REMOTE, SHARED_OWNER_PREFIX + tier_name) if shared else Medium(DISK)
+def storage_medium(shared: bool) -> Medium:
+    return Medium(SHARED) if shared else Medium(DISK)
 
 
 class _Page:
@@ -81,8 +81,10 @@ class EventJournal:
     """Turns residency changes into events for ``sink``. Thread-safe (storage backends may report
     from their threads); never blocks on the sink."""
 
-    def __init__(self, sink: EventSink, *, page_size: int, shared: Callable[[str, str], bool]) -> None:
+    def __init__(self, sink: EventSink, *, page_size: int, shared: Callable[[str, str], bool],
+                 device: bool = True) -> None:
         self.sink = sink
+        self.device = device  # announce the device tier (not where the engine announces its own)
         self.page_size = page_size
         self._shared = shared  # (tier name, backend kind) -> whether instances share the tier
         self._pages: dict[bytes, _Page] = {}  # page key -> its copies and chain
@@ -118,6 +120,8 @@ class EventJournal:
 
     def residency(self, node, tier: str, held: bool) -> None:  # noqa: ANN001 - a TreeNode
         """The tree's ``residency_hook``."""
+        if tier == "device" and not self.device:
+            return
         medium = DEVICE_MEDIUM if tier == "device" else HOST_MEDIUM
         keys = node.keys
         with self._lock:
@@ -145,7 +149,7 @@ class EventJournal:
         """Follow a storage tier: its writes (``tier.stored_hook``) and its backend's removals."""
         name = tier.name
         with self._lock:
-            self._media[name] = storage_medium(name, self._shared(name, tier.backend.kind))
+            self._media[name] = storage_medium(self._shared(name, tier.backend.kind))
             self._storage.setdefault(name, {})
         tier.stored_hook = self.stored
         tier.backend.removed_hook = lambda keys: self.removed(name, keys)
@@ -183,7 +187,7 @@ class EventJournal:
             if storage_keys is None:
                 keys = list(names.values())
                 names.clear()
-                if medium.locality == REMOTE:  # shared: still there for the other instances
+                if medium.medium == SHARED:  # still there for the other instances
                     for key in keys:
                         page = self._pages.get(key)
                         if page is not None:
