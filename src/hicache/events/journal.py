@@ -16,9 +16,13 @@ room for all of it (``resyncs`` counts them).
 A shared tier (several instances read it) detached or failing here is forgotten without removals:
 its pages are still there for the others; its deletions and evictions are announced as any tier's.
 
-A page is announced ``BlockStored`` for a medium when it first holds a copy there, ``BlockRemoved``
-when it holds none there any more; a router's union over media is then what this instance can
-serve. It keeps, per page with at least one copy, its parent's hash and its token ids (a storage
+A page is announced ``BlockStored`` for a medium when it holds a copy there *and is reachable*:
+every page before it holds a copy somewhere here too, since a hit is a prefix (a page in storage
+after a page no tier holds any more cannot be served). ``BlockRemoved`` when the copy goes, or when
+the page stops being reachable (its copies stay, unannounced, and are announced again when the gap
+is filled). So a router's union over media, walked from the first block, is what this instance can
+serve, also beside an engine's own device blocks (vLLM's hit is its own prefix or hicache's, whichever
+is longer). It keeps, per page with at least one copy, its parent's hash and its token ids (a storage
 write carries only keys), so a page first stored to a tier is announced with the same chain as in
 memory. A page written to storage without being known (never in the tree here) is not announced,
 and counted (``unannounced``).
@@ -62,6 +66,11 @@ class Medium:
 
 DEVICE_MEDIUM = Medium(GPU)
 HOST_MEDIUM = Medium(CPU)
+_ORDER = {GPU: 0, CPU: 1, DISK: 2, SHARED: 3}
+
+
+def _order(medium: Medium) -> int:
+    return _ORDER.get(medium.medium, 4)
 
 
 def storage_medium(shared: bool) -> Medium:
@@ -69,12 +78,21 @@ def storage_medium(shared: bool) -> Medium:
 
 
 class _Page:
-    __slots__ = ("where", "parent", "tokens")
+    """A page the journal knows: its copies, its chain, and whether it is announced.
 
-    def __init__(self, parent: int | None, tokens: list[int]) -> None:
-        self.where: set[Medium] = set()
-        self.parent = parent
+    A page is *reachable* when it holds a copy and so does every page before it: only then can this
+    instance serve it (a hit is a prefix), and only then are its copies announced. A page whose
+    copies are all gone stays as a ghost while pages after it are known, so they find it again."""
+
+    __slots__ = ("held", "parent", "parent_key", "tokens", "children", "announced")
+
+    def __init__(self, parent_key: bytes | None, tokens: list[int]) -> None:
+        self.held: set[Medium] = set()
+        self.parent_key = parent_key
+        self.parent = block_hash(parent_key) if parent_key is not None else None
         self.tokens = tokens
+        self.children: set[bytes] = set()
+        self.announced = False
 
 
 class EventJournal:
@@ -88,6 +106,7 @@ class EventJournal:
         self.page_size = page_size
         self._shared = shared  # (tier name, backend kind) -> whether instances share the tier
         self._pages: dict[bytes, _Page] = {}  # page key -> its copies and chain
+        self._orphans: dict[bytes, set[bytes]] = {}  # a parent not known (yet) -> its known children
         self._storage: dict[str, dict[bytes, bytes]] = {}  # tier name -> storage key -> page key
         self._media: dict[str, Medium] = {}
         self._lock = threading.Lock()
@@ -112,6 +131,7 @@ class EventJournal:
         """Announce that nothing announced before holds (a start, a restart, a close)."""
         with self._lock:
             self._pages.clear()
+            self._orphans.clear()
             for keys in self._storage.values():
                 keys.clear()
             self._lost = not self.sink.put([AllBlocksCleared()])
@@ -130,16 +150,11 @@ class EventJournal:
                 prev = parent.key(-1) if parent is not None and parent.num_pages else None
                 tokens = np.frombuffer(node.tokens, dtype=np.int64)
                 ps = self.page_size
-                entries = []
                 for i, key in enumerate(keys):
-                    page = self._pages.get(key)
-                    if page is None:
-                        page = self._pages[key] = _Page(
-                            block_hash(prev) if prev is not None else None, tokens[i * ps : (i + 1) * ps].tolist()
-                        )
-                    entries.append((key, page))
+                    if key not in self._pages:
+                        self._know(key, _Page(prev, tokens[i * ps : (i + 1) * ps].tolist()))
                     prev = key
-                self._add(entries, medium)
+                self._add(keys, medium)
             else:
                 self._drop(keys, medium)
 
@@ -167,15 +182,14 @@ class EventJournal:
             if medium is None:
                 return
             names = self._storage[tier_name]
-            entries = []
+            keys = []
             for key, skey in zip(page_keys, storage_keys, strict=True):
-                page = self._pages.get(key)
-                if page is None:
+                if key not in self._pages:
                     self.unannounced += 1
                     continue
                 names[skey] = key
-                entries.append((key, page))
-            self._add(entries, medium)
+                keys.append(key)
+            self._add(keys, medium)
 
     def removed(self, tier_name: str, storage_keys: Sequence[bytes] | None) -> None:
         """Storage keys a tier no longer holds (None: all it was announced with)."""
@@ -187,35 +201,122 @@ class EventJournal:
             if storage_keys is None:
                 keys = list(names.values())
                 names.clear()
-                if medium.medium == SHARED:  # still there for the other instances
-                    for key in keys:
-                        page = self._pages.get(key)
-                        if page is not None:
-                            page.where.discard(medium)
-                            if not page.where:
-                                del self._pages[key]
+                if medium.medium == SHARED:  # still there for the other instances: no removals
+                    self._drop(keys, medium, announce=False)
                     return
             else:
                 keys = [k for k in (names.pop(s, None) for s in storage_keys) if k is not None]
             self._drop(keys, medium)
 
+    def _know(self, key: bytes, page: _Page) -> None:
+        """A new page, linked both ways: to its parent (or among the orphans until the parent is
+        known: the device tier is not followed inside vLLM) and to the pages after it."""
+        self._pages[key] = page
+        page.children = self._orphans.pop(key, set())
+        parent_key = page.parent_key
+        if parent_key is not None:
+            parent = self._pages.get(parent_key)
+            if parent is not None:
+                parent.children.add(key)
+            else:
+                self._orphans.setdefault(parent_key, set()).add(key)
+
     # -- events ---------------------------------------------------------------------------------
 
-    def _add(self, entries: list[tuple[bytes, _Page]], medium: Medium) -> None:
-        """Announce the entries that did not hold a copy in ``medium``, as runs of a chain."""
-        events: list[KVEvent] = []
-        run: list[tuple[int, _Page]] = []
-        for key, page in entries:
-            if medium in page.where:
+    def _reachable_parent(self, page: _Page) -> bool:
+        if page.parent_key is None:
+            return True
+        parent = self._pages.get(page.parent_key)
+        return parent is not None and parent.announced
+
+    def _add(self, keys: Sequence[bytes], medium: Medium) -> None:
+        """Copies in ``medium``: announced for reachable pages; a page that becomes reachable
+        announces all its copies, and so do the pages after it that it makes reachable."""
+        out: list[tuple[bytes, _Page, Medium]] = []
+        for key in keys:
+            page = self._pages[key]
+            if medium in page.held:
                 continue
-            page.where.add(medium)
-            h = block_hash(key)
-            if run and page.parent != run[-1][0]:
+            page.held.add(medium)
+            if page.announced:
+                out.append((key, page, medium))
+            elif self._reachable_parent(page):
+                self._announce(key, page, out)
+        self._emit_stored(out)
+
+    def _announce(self, key: bytes, page: _Page, out: list[tuple[bytes, _Page, Medium]]) -> None:
+        stack = [(key, page)]
+        while stack:
+            key, page = stack.pop()
+            page.announced = True
+            out.extend((key, page, m) for m in sorted(page.held, key=_order))
+            for child_key in page.children:
+                child = self._pages.get(child_key)
+                if child is not None and child.held and not child.announced:
+                    stack.append((child_key, child))
+
+    def _drop(self, keys: Sequence[bytes], medium: Medium, *, announce: bool = True) -> None:
+        """``keys`` lost their copy in ``medium``; a page left with none makes the pages after it
+        unreachable: their copies are announced removed (not with ``announce=False``)."""
+        gone: list[tuple[int, Medium]] = []
+        for key in keys:
+            page = self._pages.get(key)
+            if page is None or medium not in page.held:
+                continue
+            page.held.discard(medium)
+            if page.announced:
+                gone.append((block_hash(key), medium))
+                if not page.held:
+                    self._hide(key, page, gone)
+            self._prune(key, page)
+        if announce:
+            self._emit_removed(gone)
+
+    def _hide(self, key: bytes, page: _Page, gone: list[tuple[int, Medium]]) -> None:
+        page.announced = False
+        stack = list(page.children)
+        while stack:
+            child_key = stack.pop()
+            child = self._pages.get(child_key)
+            if child is None or not child.announced:
+                continue
+            child.announced = False
+            gone.extend((block_hash(child_key), m) for m in child.held)
+            stack.extend(child.children)
+
+    def _prune(self, key: bytes, page: _Page) -> None:
+        """Forget a page with no copy and nothing after it, and ghosts it leaves behind."""
+        while not page.held and not page.children:
+            del self._pages[key]
+            parent_key = page.parent_key
+            if parent_key is None:
+                return
+            parent = self._pages.get(parent_key)
+            if parent is None:
+                orphans = self._orphans.get(parent_key)
+                if orphans is not None:
+                    orphans.discard(key)
+                    if not orphans:
+                        del self._orphans[parent_key]
+                return
+            parent.children.discard(key)
+            key, page = parent_key, parent
+
+    def _emit_stored(self, out: list[tuple[bytes, _Page, Medium]]) -> None:
+        """Announce copies, medium by medium, as runs of a chain."""
+        events: list[KVEvent] = []
+        by_medium: dict[Medium, list[tuple[int, _Page]]] = {}
+        for key, page, medium in out:
+            by_medium.setdefault(medium, []).append((block_hash(key), page))
+        for medium, pages in by_medium.items():
+            run: list[tuple[int, _Page]] = []
+            for h, page in pages:
+                if run and page.parent != run[-1][0]:
+                    events.append(self._stored(run, medium))
+                    run = []
+                run.append((h, page))
+            if run:
                 events.append(self._stored(run, medium))
-                run = []
-            run.append((h, page))
-        if run:
-            events.append(self._stored(run, medium))
         if events:
             self.stored_events += len(events)
             self._put(events)
@@ -229,19 +330,14 @@ class EventJournal:
             medium.ownership,
         )
 
-    def _drop(self, keys: Sequence[bytes], medium: Medium) -> None:
-        hashes = []
-        for key in keys:
-            page = self._pages.get(key)
-            if page is None or medium not in page.where:
-                continue
-            page.where.discard(medium)
-            if not page.where:
-                del self._pages[key]
-            hashes.append(block_hash(key))
-        if hashes:
-            self.removed_events += 1
-            self._put([BlockRemoved(hashes, medium.medium, medium.locality, medium.ownership)])
+    def _emit_removed(self, gone: list[tuple[int, Medium]]) -> None:
+        by_medium: dict[Medium, list[int]] = {}
+        for h, medium in gone:
+            by_medium.setdefault(medium, []).append(h)
+        events: list[KVEvent] = [BlockRemoved(hashes, m.medium, m.locality, m.ownership) for m, hashes in by_medium.items()]
+        if events:
+            self.removed_events += len(events)
+            self._put(events)
 
     def _put(self, events: list[KVEvent]) -> None:
         if self._lost:
@@ -255,7 +351,9 @@ class EventJournal:
         """A clean slate and every page that holds now, once the sink has room for all of it."""
         by_medium: dict[Medium, list[BlockStored]] = {}
         for key, page in self._pages.items():
-            for medium in page.where:
+            if not page.announced:
+                continue
+            for medium in page.held:
                 by_medium.setdefault(medium, []).append(BlockStored(
                     [block_hash(key)], page.parent, page.tokens, self.page_size, medium.medium, medium.locality,
                     medium.ownership,
