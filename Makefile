@@ -22,6 +22,13 @@ VLLM_ARGS ?=
 SGLANG_VENV := .venv-sglang
 SGLANG_BIN := $(SGLANG_VENV)/bin
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
+# NVIDIA Dynamo's standalone KV indexer (its router's index), which tests/test_dynamo_indexer.py feeds
+# with hicache's events: a fourth environment, .venv-dynamo. ai-dynamo 1.6.1 is installed with
+# --no-deps: its declared `aisimulate` only fetches a wheel from pypi.nvidia.com, and the indexer
+# needs only the runtime wheel, pydantic and uvloop.
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_BIN := $(DYNAMO_VENV)/bin
+DYNAMO_STAMP := $(DYNAMO_VENV)/.installed
 SGLANG_TESTS ?= tests/sglang
 export OMP_WAIT_POLICY := PASSIVE
 
@@ -29,7 +36,7 @@ export OMP_WAIT_POLICY := PASSIVE
 INSTALL_IBVERBS = if ! ldconfig -p | grep -q libibverbs.so.1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get install -y -q libibverbs1 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 >/dev/null); fi
 
-.PHONY: run test bench bench-storage bench-vllm bench-serve bench-sglang gpu-check venv venv-vllm venv-sglang clean
+.PHONY: run test bench bench-storage bench-vllm bench-serve bench-sglang gpu-check venv venv-vllm venv-sglang venv-dynamo clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -90,12 +97,21 @@ $(SGLANG_STAMP): pyproject.toml
 
 venv-sglang: $(SGLANG_STAMP)
 
+$(DYNAMO_STAMP):
+	test -x $(DYNAMO_BIN)/python || $(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_BIN)/python -m pip install -q --upgrade pip
+	$(DYNAMO_BIN)/python -m pip install -q --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
+	$(DYNAMO_BIN)/python -m pip install -q 'pydantic>=2.10.6,<=2.13.5' 'uvloop>=0.21.0'
+	touch $(DYNAMO_STAMP)
+
+venv-dynamo: $(DYNAMO_STAMP)
+
 ARGS ?=
 
 run: $(STAMP)
 	$(BIN)/hicache bench $(if $(strip $(ARGS)),$(ARGS),multiturn)
 
-test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) $(DYNAMO_STAMP)
 	$(BIN)/python -m pytest $(TEST_ARGS)
 	if [ -n "$(VLLM_TESTS)" ]; then $(VLLM_BIN)/python -m pytest $(VLLM_TESTS); fi
 	if [ -n "$(SGLANG_TESTS)" ]; then $(SGLANG_BIN)/python -m pytest $(SGLANG_TESTS); fi
@@ -122,4 +138,4 @@ gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build src/*.egg-info .pytest_cache packaging/vllm-cpu-alias/build packaging/vllm-cpu-alias/*.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) build src/*.egg-info .pytest_cache packaging/vllm-cpu-alias/build packaging/vllm-cpu-alias/*.egg-info

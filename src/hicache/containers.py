@@ -247,8 +247,9 @@ def kv_events_from_config(config: HiCacheConfig) -> EventJournal | None:
     if not ev.enabled:
         return None
     if ev.sink == "engine":
+        # The engine publishes its own blocks on the same stream: no AllBlocksCleared of ours.
         return EventJournal(EventBuffer(ev.max_queue_size), page_size=config.page_size, shared=_shared(ev),
-                            device=ev.device)
+                            device=ev.device, clean_slate=False)
     try:
         from .events.zmq_publisher import ZmqEventPublisher
     except ImportError as exc:

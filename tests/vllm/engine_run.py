@@ -38,6 +38,11 @@ def _llm(spec: dict[str, Any]) -> Any:
     for key in ("max_num_batched_tokens", "skip_tokenizer_init", "enable_prefix_caching"):
         if spec.get(key) is not None:
             kwargs[key] = spec[key]
+    if spec.get("kv_events") is not None:  # vLLM's publisher: its own events and the connector's
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    **spec["kv_events"])
     return LLM(
         model=spec["model_dir"],
         dtype=spec.get("dtype", "float32"),
@@ -83,6 +88,57 @@ def _generate(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
     return {"outputs": outs}
 
 
+def _chain_hashes(index: Any, prompt: list[int]) -> list[int]:
+    out, parent, bs = [], None, index.block_size or 1
+    for start in range(0, len(prompt) - bs + 1, bs):
+        h = index._chain.get((parent, tuple(prompt[start : start + bs])))
+        if h is None:
+            break
+        out.append(h)
+        parent = h
+    return out
+
+
+def _routed(llm: Any, phase: dict[str, Any], router: dict[str, Any]) -> dict[str, Any]:
+    """Prompts one at a time; before each, the hit a router's index (built from the events vLLM
+    published so far) predicts for it, beside the hit vLLM then serves (``num_cached_tokens``)."""
+    from vllm import SamplingParams
+
+    from hicache.events.index import PrefixIndex
+    from hicache.events.subscriber import EventSubscriber
+
+    if not router:
+        index = PrefixIndex()
+        router["index"] = index
+        router["batches"] = []
+
+        def take(seq: int, events: list[Any]) -> None:
+            router["batches"].append([type(e).__name__ + ":" + str(getattr(e, "medium", "")) for e in events])
+            router.setdefault("detail", []).append([
+                [type(e).__name__, getattr(e, "medium", None), [h % 100000 for h in getattr(e, "block_hashes", [])],
+                 (getattr(e, "parent_block_hash", None) or 0) % 100000] for e in events])
+            index.apply("w", events)
+
+        router["sub"] = EventSubscriber(phase["endpoint"], replay_endpoint=phase.get("replay_endpoint"),
+                                        on_batch=take)
+    index, sub = router["index"], router["sub"]
+    sp = SamplingParams(max_tokens=phase.get("max_tokens", 4), temperature=0)
+    outs = []
+    for prompt in phase["prompts"]:
+        while sub.poll(0.3):  # until quiet: every batch published so far is in
+            pass
+        block = index.block_size or phase["block"]
+        predicted = min(index.hit(prompt, "w"), (len(prompt) - 1) // block * block)
+        media = [sorted(m) for m in index.media(prompt, "w")]
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+        records = _channel(llm).call({"op": "stats"}).get("requests") or {}
+        loaded = next((r for k, r in records.items() if str(k).startswith(str(out.request_id))), None)
+        router.setdefault("detail", []).append(["request", [h % 100000 for h in _chain_hashes(index, prompt)]])
+        outs.append({"predicted": predicted, "served": out.num_cached_tokens or 0, "media": media,
+                     "tokens": list(out.outputs[0].token_ids), "loaded": loaded})
+    return {"outputs": outs, "batches": router["batches"][:], "detail": router.get("detail", []), "missed": sub.missed, "replayed": sub.replayed}
+
+
 def _abort_while_prefetching(llm: Any, phase: dict[str, Any]) -> dict[str, Any]:
     """A long request holds the only slot; the victim is queued (its lookup starts a prefetch from
     a slow storage tier), then aborted while that prefetch is in flight."""
@@ -119,10 +175,13 @@ def main() -> int:
     started = time.perf_counter()
     llm = _llm(spec)
     results: list[dict[str, Any]] = []
+    router: dict[str, Any] = {}  # the ``routed`` phases' subscriber and index, kept across phases
     for phase in spec["phases"]:
         kind = phase["kind"]
         if kind == "generate":
             results.append(_generate(llm, phase))
+        elif kind == "routed":
+            results.append(_routed(llm, phase, router))
         elif kind == "reset_prefix_cache":
             results.append({"reset": bool(llm.reset_prefix_cache())})
         elif kind == "stats":  # after the writes queued so far have landed

@@ -11,7 +11,9 @@ It listens where pages gain and lose a copy, and nowhere else:
 
 When the sink drops events (it never waits), a router's index may miss some; the journal then
 announces ``AllBlocksCleared`` and every page it holds, medium by medium, as soon as the sink has
-room for all of it (``resyncs`` counts them).
+room for all of it (``resyncs`` counts them). Inside an engine that publishes its own blocks on the
+same stream (``clean_slate=False``), ``AllBlocksCleared`` would clear those too: there a resync only
+announces again what holds (a lost removal stays lost until that page is stored and removed again).
 
 A shared tier (several instances read it) detached or failing here is forgotten without removals:
 its pages are still there for the others; its deletions and evictions are announced as any tier's.
@@ -100,8 +102,12 @@ class EventJournal:
     from their threads); never blocks on the sink."""
 
     def __init__(self, sink: EventSink, *, page_size: int, shared: Callable[[str, str], bool],
-                 device: bool = True) -> None:
+                 device: bool = True, clean_slate: bool = True) -> None:
         self.sink = sink
+        #: Whether ``AllBlocksCleared`` is this journal's to send. Not inside an engine that publishes
+        #: its own blocks on the same stream (vLLM): it would clear those too in every router. Then
+        #: a start sends nothing, a close removes what was announced, and a resync re-announces.
+        self.clean_slate = clean_slate
         self.device = device  # announce the device tier (not where the engine announces its own)
         self.page_size = page_size
         self._shared = shared  # (tier name, backend kind) -> whether instances share the tier
@@ -128,13 +134,18 @@ class EventJournal:
         self.sink.close()
 
     def clear_all(self) -> None:
-        """Announce that nothing announced before holds (a start, a restart, a close)."""
+        """Announce that nothing announced before holds (a start, a restart, a close): one
+        ``AllBlocksCleared``, or without ``clean_slate`` the removal of each announced copy."""
         with self._lock:
+            gone = [(block_hash(key), m) for key, page in self._pages.items() if page.announced for m in page.held]
             self._pages.clear()
             self._orphans.clear()
             for keys in self._storage.values():
                 keys.clear()
-            self._lost = not self.sink.put([AllBlocksCleared()])
+            if self.clean_slate:
+                self._lost = not self.sink.put([AllBlocksCleared()])
+            else:
+                self._emit_removed(gone)
 
     # -- the tree -------------------------------------------------------------------------------
 
@@ -358,7 +369,7 @@ class EventJournal:
                     [block_hash(key)], page.parent, page.tokens, self.page_size, medium.medium, medium.locality,
                     medium.ownership,
                 ))
-        events: list[KVEvent] = [AllBlocksCleared()]
+        events: list[KVEvent] = [AllBlocksCleared()] if self.clean_slate else []
         for stored in by_medium.values():
             events += stored
         if self.sink.has_room(len(events)) and self.sink.put(events):

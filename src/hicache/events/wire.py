@@ -1,6 +1,6 @@
 """vLLM's wire format for KV events (``vllm.distributed.kv_events``), written with msgpack alone.
 
-A batch is an array ``[ts, events, data_parallel_rank]`` (rank omitted when None); an event a map
+A batch is an array ``[ts, events, data_parallel_rank]``; an event a map
 with ``"type"`` and its fields (msgspec's tagged struct, defaults left out). vLLM's own
 ``msgspec.msgpack.Decoder(KVEventBatch)`` reads it (tests/vllm/test_kv_events_wire.py).
 """
@@ -38,9 +38,9 @@ def _event(e: KVEvent) -> dict[str, Any]:
 
 
 def encode_batch(ts: float, events: Sequence[KVEvent], data_parallel_rank: int | None = None) -> bytes:
-    batch: list[Any] = [ts, [_event(e) for e in events]]
-    if data_parallel_rank is not None:
-        batch.append(data_parallel_rank)
+    # The rank always goes out (0 when unset), as vLLM's publisher sends it: Dynamo's decoder
+    # refuses a batch of two fields.
+    batch = [ts, [_event(e) for e in events], data_parallel_rank or 0]
     return msgpack.packb(batch, use_bin_type=True)
 
 

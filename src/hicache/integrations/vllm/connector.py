@@ -37,6 +37,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...errors import UnsupportedModelError
 from .channel import socket_path
+from .events import HiCacheKVEvents, SchedulerEvents, scheduler_events, worker_events
 from .metadata import HiCacheMetadata
 from .ranks import RankChannels
 from .recurrent import mamba_layers
@@ -45,7 +46,10 @@ from .settings import Roles, cache_config_for, connector_options, worker_rank
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -104,6 +108,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         options = connector_options(extra)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.events: SchedulerEvents | None = None  # the scheduler's side of hicache's KV events
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute":
                 log.warning(
@@ -127,6 +132,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 roles = Roles()
             self.scheduler = SchedulerSide(ranks, config.page_size, block_size, roles, groups=groups,
                                            mamba_groups=mamba)
+            self.events = scheduler_events(vllm_config, config.page_size)
         else:
             config = cache_config_for(vllm_config, extra, device=device, kv_cache_config=kv_cache_config,
                                       max_shutdown_s=_worker_exit_budget_s(vllm_config))
@@ -192,6 +198,10 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_errors() if self.worker is not None else set()
 
+    def get_kv_connector_kv_cache_events(self) -> HiCacheKVEvents | None:
+        """What this worker's tiers announced since the last step (events.py)."""
+        return worker_events(self.worker.events_journal()) if self.worker is not None else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The worker's latest metrics export, once per ``stats_interval_s`` (vLLM asks every step)."""
         if self.worker is None:
@@ -256,6 +266,12 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler is not None and connector_output.failed_recving:
             self.scheduler.loads_failed(set(connector_output.failed_recving))
+        if self.events is not None and connector_output.kv_cache_events:
+            self.events.add(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """hicache's host and storage blocks under vLLM's hashes, published with vLLM's own events."""
+        return self.events.take() if self.events is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Ends the request's prefetch; a producer's prefill for a remote decode is handed off: its

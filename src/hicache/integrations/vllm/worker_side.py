@@ -176,6 +176,12 @@ class WorkerSide:
         service.worker_profile.add("stats", time.perf_counter() - started)
         return payload[1]
 
+    def events_journal(self) -> Any:
+        """The cache's KV event journal (None when events are off or the cache is not open)."""
+        service = self.service
+        cache = service.cache if service is not None else None
+        return cache.events if cache is not None else None
+
     @property
     def _portal(self) -> BlockingPortal:
         assert self.portal is not None, "register_kv_caches has not run"
