@@ -271,3 +271,11 @@ async def test_pages_after_a_gap_are_withdrawn_and_announced_again_when_it_fills
             assert router.index.hit(tokens, "a") == 3 * PAGE == (await cache.lookup(tokens, prefetch=False)).tokens
         finally:
             router.close()
+
+
+def test_events_are_refused_for_hybrid_models(tmp_path) -> None:
+    from hicache.errors import ConfigError
+
+    cfg = events_config(tmp_path, model={"layers": ["full", "sliding:8", "full", "sliding:8"]})
+    with pytest.raises(ConfigError, match="hybrid model"):
+        HiCache.from_config(cfg)

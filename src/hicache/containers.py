@@ -246,6 +246,12 @@ def kv_events_from_config(config: HiCacheConfig) -> EventJournal | None:
     ev = config.kv_events
     if not ev.enabled:
         return None
+    if config.model.layers.hybrid:
+        raise ConfigError(
+            "kv_events: a hybrid model's hit may end only where sliding windows or recurrent checkpoints allow, "
+            "which a router's prefix index cannot express: events are for full-attention and MLA models "
+            "(docs/routing.md)"
+        )
     if ev.sink == "engine":
         # The engine publishes its own blocks on the same stream: no AllBlocksCleared of ours.
         return EventJournal(EventBuffer(ev.max_queue_size), page_size=config.page_size, shared=_shared(ev),

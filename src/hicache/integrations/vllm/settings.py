@@ -330,8 +330,11 @@ def cache_config_for(
     }
     kv_events = getattr(vllm_config, "kv_events_config", None)
     if kv_events is not None and kv_events.enable_kv_cache_events:
-        # vLLM publishes them with its own (integrations/vllm/events.py); its GPU blocks are its to announce
-        derived["kv_events"] = {"enabled": True, "sink": "engine", "device": False}
+        if probe.model.layers.hybrid:
+            log.info("hicache: KV events: a hybrid model's tiers are not announced (docs/routing.md); vLLM's own "
+                     "events go on")
+        else:  # vLLM publishes them with its own (events.py); its GPU blocks are its to announce
+            derived["kv_events"] = {"enabled": True, "sink": "engine", "device": False}
     wanted = probe.controller.shutdown_timeout_s
     if max_shutdown_s is not None and wanted > max_shutdown_s:
         derived["controller"] = {"shutdown_timeout_s": max_shutdown_s}
