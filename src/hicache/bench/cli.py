@@ -41,6 +41,8 @@ from .report import (
 )
 from .scenarios import CONFIGURATIONS, DEFAULT_CONFIGURATIONS, Sizing, lossy_pages_dir
 from .scratch import add_keep_pages_argument, pages_removed
+from .route_bench import add_parser as add_route_parser
+from .route_bench import run_route_benchmark
 from .serve_bench import add_parser as add_serve_parser
 from .serve_bench import run_serve_benchmark
 from .vllm_bench import add_parser as add_vllm_parser
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_vllm_parser(sub)  # `hicache bench vllm`: the same multi-turn trace through vLLM (vllm_bench.py)
     add_vllm_overhead_parser(sub)  # `hicache bench vllm-overhead`: the connector's cost when nothing hits
     add_serve_parser(sub)  # `hicache bench serve`: vllm serve over HTTP, multi-turn and long-context (serve_bench.py)
+    add_route_parser(sub)  # `hicache bench route`: two vllm serve workers behind a KV-aware router (route_bench.py)
     add_pd_parser(sub)  # `hicache bench pd`: prefill/decode over vllm serve, hicache against vLLM's connectors (pd_bench.py)
     add_recurrent_parser(sub)  # `hicache bench recurrent`: a recurrent hybrid's checkpoints (recurrent_bench.py)
     return parser
@@ -363,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         run_serve_benchmark(args)
     elif args.benchmark == "pd":
         run_pd_benchmark(args)
+    elif args.benchmark == "route":
+        run_route_benchmark(args)
     elif args.benchmark == "recurrent":
         run_recurrent_benchmark(args)
     else:

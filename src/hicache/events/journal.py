@@ -1,37 +1,32 @@
-"""The event journal: residency changes of the tree's tiers and of storage tiers, as KV events.
+"""The event journal: what each tier can serve, as KV events (``base.py``), from residency changes.
 
-It listens where pages gain and lose a copy, and nowhere else:
+**What is announced.** A page is ``BlockStored`` for a medium when it holds a copy there *and is
+reachable*: every page before it holds a copy somewhere here too, since a hit is a prefix (a page in
+storage after a page no tier holds any more cannot be served). It is ``BlockRemoved`` when the copy
+goes, or when it stops being reachable (its copies stay, unannounced, and are announced again when
+the gap is filled). So a router's union over media, walked from the first block, is what this
+instance serves, also beside an engine's own device blocks (vLLM serves its own prefix or hicache's,
+whichever is longer).
+
+**Where it listens**, and nowhere else:
 
 * the tree's ``residency_hook``: a node gained or lost its device or host copy (splits move pages
-  without telling, since nothing changes for a router);
-* each storage tier's writes (``stored``: pages written and sealed, so readable and verified) and
-  its backend's ``removed_hook`` (deleted, evicted, failed verification, cleared), plus a tier
-  detached or failing (every page it was announced with is removed: this instance can no longer
-  promise them).
+  without telling: nothing changes for a router);
+* each storage tier's ``stored_hook`` (pages written and sealed: a read verifies them) and its
+  backend's ``removed_hook`` (deleted, evicted, failed verification, cleared; a tier that starts
+  failing reports all its pages gone); ``unwatch`` when a tier is detached. A shared tier detached or
+  failing here is forgotten without removals: its pages are still there for the other instances.
 
-When the sink drops events (it never waits), a router's index may miss some; the journal then
-announces ``AllBlocksCleared`` and every page it holds, medium by medium, as soon as the sink has
-room for all of it (``resyncs`` counts them). Inside an engine that publishes its own blocks on the
-same stream (``clean_slate=False``), ``AllBlocksCleared`` would clear those too: there a resync only
-announces again what holds (a lost removal stays lost until that page is stored and removed again).
+It keeps, per known page, its parent's hash and token ids (a storage write carries only keys), so a
+page is announced with the same chain in every medium; a page written to storage that it never knew
+is not announced (``unannounced``). Storage keys are the codec's names (``storage_keys``): it keeps
+each tier's storage key -> page key for what it announced there.
 
-A shared tier (several instances read it) detached or failing here is forgotten without removals:
-its pages are still there for the others; its deletions and evictions are announced as any tier's.
-
-A page is announced ``BlockStored`` for a medium when it holds a copy there *and is reachable*:
-every page before it holds a copy somewhere here too, since a hit is a prefix (a page in storage
-after a page no tier holds any more cannot be served). ``BlockRemoved`` when the copy goes, or when
-the page stops being reachable (its copies stay, unannounced, and are announced again when the gap
-is filled). So a router's union over media, walked from the first block, is what this instance can
-serve, also beside an engine's own device blocks (vLLM's hit is its own prefix or hicache's, whichever
-is longer). It keeps, per page with at least one copy, its parent's hash and its token ids (a storage
-write carries only keys), so a page first stored to a tier is announced with the same chain as in
-memory. A page written to storage without being known (never in the tree here) is not announced,
-and counted (``unannounced``).
-
-Storage tiers are told their keys after the codec's renaming (``storage_keys``); the journal keeps
-each tier's storage key -> page key for the pages it announced there, so removals by storage key
-find their page.
+**Drops.** The sink never waits; when it drops events a router's index may have missed some, so the
+journal announces ``AllBlocksCleared`` and every announced copy as soon as the sink has room for all
+of it (``resyncs``). Inside an engine that publishes its own blocks on the same stream
+(``clean_slate=False``), ``AllBlocksCleared`` would clear those too: there it sends none, a close
+removes what it announced, and a resync re-announces what holds (a lost removal stays lost).
 """
 
 from __future__ import annotations

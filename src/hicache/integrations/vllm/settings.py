@@ -18,7 +18,9 @@ the model's identity and KV geometry from vLLM's model config.
 * ``pd``: prefill/decode hand-offs (``kv_role`` ``kv_producer``, ``kv_consumer``, ``kv_both``;
   ``PDOptions``): ``tier``, the storage tier a producer's prompts must be durable in before they
   are reported sent (default: the first that takes writes), ``send_timeout_s`` (30) and
-  ``receive_timeout_s`` (10), the bounds on a hand-off on each side.
+  ``receive_timeout_s`` (10), the bounds on a hand-off on each side;
+* ``kv_events``: with vLLM's ``--kv-events-config`` on, whether hicache's host and storage blocks are
+  published with vLLM's own events (default true; ``docs/routing.md``).
 
 The ``model`` section is always filled from vLLM: name (the model path or id, plus the
 quantization method), layers, KV heads (this rank's), head size and KV dtype. Its ``revision`` is
@@ -59,7 +61,7 @@ __all__ = [
 log = logging.getLogger("vllm.hicache")  # under vLLM's logger: its handlers print our lines with its own
 
 EXTRA_KEYS = ("config", "overrides", "staging_tokens", "stats_interval_s", "metrics_port", "metrics_host",
-              "gil_switch_interval_s", "pd")
+              "gil_switch_interval_s", "pd", "kv_events")
 _PD_KEYS = ("tier", "send_timeout_s", "receive_timeout_s")
 
 
@@ -329,7 +331,10 @@ def cache_config_for(
         "tiers": {"device": {"capacity": staging_pages * probe.page_bytes, "device": device}},
     }
     kv_events = getattr(vllm_config, "kv_events_config", None)
-    if kv_events is not None and kv_events.enable_kv_cache_events:
+    announce = extra.get("kv_events", True)  # false: vLLM's events only (its GPU blocks), none of hicache's
+    if not isinstance(announce, bool):
+        raise ConfigError(f"kv_connector_extra_config.kv_events must be true or false, not {announce!r}")
+    if announce and kv_events is not None and kv_events.enable_kv_cache_events:
         if probe.model.layers.hybrid:
             log.info("hicache: KV events: a hybrid model's tiers are not announced (docs/routing.md); vLLM's own "
                      "events go on")
