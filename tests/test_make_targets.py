@@ -24,7 +24,7 @@ def make(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     bin_dir = str(Path(sys.executable).parent)
     cmd = ["make", "--no-print-directory", "-o", ".venv/.installed", "-o", ".venv-vllm/.installed",
-           "-o", ".venv-sglang/.installed", f"BIN={bin_dir}", *args]
+           "-o", ".venv-sglang/.installed", "-o", ".venv-dynamo/.installed", f"BIN={bin_dir}", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -88,6 +88,19 @@ def test_the_sglang_targets_name_the_third_environment() -> None:
     assert make("-n", "venv-sglang").returncode == 0
     test = make("-n", "test")
     assert test.returncode == 0 and ".venv-sglang/bin/python -m pytest tests/sglang" in test.stdout, test.stdout
+
+
+def test_make_test_builds_the_dynamo_environment_the_router_test_uses() -> None:
+    # Dynamo's indexer (tests/test_dynamo_indexer.py) runs from .venv-dynamo: `make test` builds it.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    dry = subprocess.run(["make", "--no-print-directory", "-n", "-B", "venv-dynamo"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert dry.returncode == 0 and "--no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1" in dry.stdout, dry.stdout
+    test = make("-n", "test")
+    assert test.returncode == 0, test.stderr
+    rules = subprocess.run(["make", "--no-print-directory", "-p", "-n", "test"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=60, check=False).stdout
+    assert re.search(r"^test: .*\$\(DYNAMO_STAMP\)|^test: .*\.venv-dynamo/\.installed", rules, re.M), "test does not build it"
 
 
 def test_the_readme_starts_with_exactly_the_two_set_up_commands() -> None:
