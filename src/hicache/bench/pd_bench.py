@@ -53,7 +53,7 @@ from .scratch import add_keep_pages_argument, pages_removed
 from .serve_bench import add_workload_arguments, longest_context, serve_sizes, workload_of
 from .serve_run import run_workload
 from .vllm_bench import _finite, _geometry
-from .vllm_server import ProxyProcess, ServerSet, VllmServer, free_port
+from .vllm_server import ProxyProcess, ServerSet, VllmServer, free_port, hicache_transfer
 from .workloads import LongContext, MultiTurn
 
 __all__ = ["CONFIGURATIONS", "DEFAULT_CONFIGURATIONS", "add_parser", "run_pd_benchmark"]
@@ -120,22 +120,15 @@ def _env(args: argparse.Namespace, **more: str) -> dict[str, str]:
 def _hicache_transfer(role: str, engine_id: str, tier: SharedTier, sizes: dict[str, int],
                       args: argparse.Namespace) -> dict[str, Any]:
     side = "prefill" if role == "kv_both" else "decode"
-    return {
-        "kv_connector": "HiCacheConnector",
-        "kv_connector_module_path": "hicache.integrations.vllm",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {
-            "config": str(_pd_config()),
-            "metrics_port": 0,
-            "pd": {"tier": "shared", "receive_timeout_s": args.receive_timeout, "send_timeout_s": 60},
-            "overrides": {"tiers": {
-                "host": {"capacity": sizes["host_bytes"], "pin_memory": False},
-                "storage": [tier.entry(side, sizes["file_bytes"])],
-            }},
-        },
-    }
+    return hicache_transfer(engine_id, {
+        "config": str(_pd_config()),
+        "metrics_port": 0,
+        "pd": {"tier": "shared", "receive_timeout_s": args.receive_timeout, "send_timeout_s": 60},
+        "overrides": {"tiers": {
+            "host": {"capacity": sizes["host_bytes"], "pin_memory": False},
+            "storage": [tier.entry(side, sizes["file_bytes"])],
+        }},
+    }, role=role)
 
 
 def _pd_config() -> Path:

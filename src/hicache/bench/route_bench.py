@@ -51,7 +51,7 @@ from .models import smollm2_dir
 from .openai_client import CompletionsClient
 from .serve_bench import longest_context
 from .vllm_bench import _geometry, default_config_path
-from .vllm_server import VllmServer, free_port
+from .vllm_server import VllmServer, free_port, hicache_transfer
 from .workloads import MultiTurn
 
 __all__ = ["CONFIGURATIONS", "add_parser", "run_route_benchmark"]
@@ -104,23 +104,16 @@ def _worker(args: argparse.Namespace, config: str, i: int, sizes: dict[str, int]
     pages = out / f"pages-{config}-{i}"
     shutil.rmtree(pages, ignore_errors=True)
     engine_id = f"hicache-bench-route-{os.getpid()}-{config}-{i}"
-    transfer = {
-        "kv_connector": "HiCacheConnector",
-        "kv_connector_module_path": "hicache.integrations.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "engine_id": engine_id,
-        "kv_connector_extra_config": {
-            "config": default_config_path(),
-            "kv_events": config != "kv-vllm-events",
-            "overrides": {
-                "tiers": {"host": {"capacity": sizes["host_bytes"], "pin_memory": False},
-                          "storage": [{"kind": "file", "name": "disk", "path": str(pages),
-                                       "capacity": sizes["file_bytes"], "fsync": "never"}]},
-                "policies": {"prefetch_threshold_tokens": 0},
-            },
+    transfer = hicache_transfer(engine_id, {
+        "config": default_config_path(),
+        "kv_events": config != "kv-vllm-events",
+        "overrides": {
+            "tiers": {"host": {"capacity": sizes["host_bytes"], "pin_memory": False},
+                      "storage": [{"kind": "file", "name": "disk", "path": str(pages),
+                                   "capacity": sizes["file_bytes"], "fsync": "never"}]},
+            "policies": {"prefetch_threshold_tokens": 0},
         },
-    }
+    })
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ports[0]}",
               "replay_endpoint": f"tcp://*:{ports[1]}"}
     vllm_args = [

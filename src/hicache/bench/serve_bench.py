@@ -60,7 +60,7 @@ from .serve_report import check_targets, format_report, plot_serve
 from .scratch import add_keep_pages_argument, pages_removed
 from .serve_run import run_workload
 from .vllm_bench import _finite, _geometry, default_config_path, size_table
-from .vllm_server import ServerSet, VllmServer
+from .vllm_server import ServerSet, VllmServer, hicache_transfer
 from .workloads import LongContext, MultiTurn
 
 __all__ = ["CONFIGURATIONS", "WORKLOADS", "add_parser", "run_serve_benchmark", "serve_sizes", "server_for"]
@@ -172,21 +172,14 @@ def server_for(args: argparse.Namespace, name: str, label: str, sizes: dict[str,
         pages = hicache_pages(out, label)
         shutil.rmtree(pages, ignore_errors=True)  # every run starts cold
         engine_id = f"hicache-bench-serve-{os.getpid()}-{label}"
-        transfer = {
-            "kv_connector": "HiCacheConnector",
-            "kv_connector_module_path": "hicache.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "engine_id": engine_id,
-            "kv_connector_extra_config": {
-                "config": args.config or default_config_path(),
-                "metrics_port": 0,
-                "overrides": {"tiers": {
-                    "host": {"capacity": sizes["host_bytes"], "pin_memory": False},
-                    "storage": [{"kind": "file", "path": str(pages), "capacity": sizes["file_bytes"], "fsync": "never"}],
-                }},
-            },
-        }
+        transfer = hicache_transfer(engine_id, {
+            "config": args.config or default_config_path(),
+            "metrics_port": 0,
+            "overrides": {"tiers": {
+                "host": {"capacity": sizes["host_bytes"], "pin_memory": False},
+                "storage": [{"kind": "file", "path": str(pages), "capacity": sizes["file_bytes"], "fsync": "never"}],
+            }},
+        })
         vllm_args += ["--kv-transfer-config", json.dumps(transfer)]
     env = {
         "OMP_WAIT_POLICY": "PASSIVE",

@@ -41,6 +41,19 @@ def vllm_command() -> str:
     return str(beside) if beside.exists() else "vllm"
 
 
+def hicache_transfer(engine_id: str, extra: dict[str, Any], role: str = "kv_both") -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of a ``vllm serve`` with hicache's connector (``extra``: its
+    ``kv_connector_extra_config``); a load that comes up short is recomputed."""
+    return {
+        "kv_connector": "HiCacheConnector",
+        "kv_connector_module_path": "hicache.integrations.vllm",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": extra,
+    }
+
+
 @dataclass
 class VllmServer:
     """One ``vllm serve`` process on ``127.0.0.1``; ``start()``, then ``stop()`` (or ``with``)."""
