@@ -72,3 +72,16 @@ def test_only_what_every_rank_announced_goes_out_even_across_steps(v: Any) -> No
     s.add(_step(v, [], [b]))  # the next step: now both have it
     assert [e.block_hashes for e in s.take()] == [_vllm_hashes(v, list(range(1, 9)), 4)[1:]]
     assert s.take() == []
+
+
+def test_ranks_that_group_a_chain_differently_still_agree_block_by_block(v: Any) -> None:
+    ours = v.ours
+    s = v.SchedulerEvents(4, 4, v.HASH)
+    tokens = list(range(1, 13))
+    whole = ours.BlockStored([1, 2, 3], None, tokens, 4, "CPU")
+    split = [ours.BlockStored([1, 2], None, tokens[:8], 4, "CPU"), ours.BlockStored([3], 2, tokens[8:], 4, "CPU")]
+    s.add(_step(v, [whole], split))
+    assert [h for e in s.take() for h in e.block_hashes] == _vllm_hashes(v, tokens, 4)
+    # an empty step of one rank (always handed over under TP) keeps the ranks' lists apart
+    empty = v.HiCacheKVEvents([], always=True)
+    assert bool(empty) and not bool(v.HiCacheKVEvents([]))

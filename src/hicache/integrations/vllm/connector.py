@@ -109,6 +109,7 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.events: SchedulerEvents | None = None  # the scheduler's side of hicache's KV events
+        self._ranks = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute":
                 log.warning(
@@ -200,7 +201,9 @@ class HiCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_kv_cache_events(self) -> HiCacheKVEvents | None:
         """What this worker's tiers announced since the last step (events.py)."""
-        return worker_events(self.worker.events_journal()) if self.worker is not None else None
+        if self.worker is None:
+            return None
+        return worker_events(self.worker.events_journal(), ranks=self._ranks)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """The worker's latest metrics export, once per ``stats_interval_s`` (vLLM asks every step)."""

@@ -53,8 +53,11 @@ class HiCacheKVEvents(KVConnectorKVEvents):
     """One step's events, a list per worker (vLLM's aggregator adds each other worker's with one
     ``add_events``), in the order they happened."""
 
-    def __init__(self, events: list[KVCacheEvent] | None = None) -> None:
+    def __init__(self, events: list[KVCacheEvent] | None = None, *, always: bool = False) -> None:
         self.workers: list[list[KVCacheEvent]] = [list(events or [])]
+        # Under TP every rank hands one over each step, empty or not: vLLM's aggregator skips a
+        # falsy one, and the scheduler's side must see a list per rank to know who announced what.
+        self.always = always
 
     def add_events(self, events: list[KVCacheEvent]) -> None:
         self.workers.append(list(events))
@@ -75,15 +78,41 @@ class HiCacheKVEvents(KVConnectorKVEvents):
         self.workers = [[]]
 
     def __bool__(self) -> bool:
-        return any(self.workers)
+        return self.always or any(self.workers)
 
 
-def worker_events(journal: Any) -> HiCacheKVEvents | None:
-    """What the worker's cache announced since the last step (None when nothing or events off)."""
+def worker_events(journal: Any, *, ranks: int = 1) -> HiCacheKVEvents | None:
+    """What the worker's cache announced since the last step (None when events are off, or when
+    nothing and this is the only rank)."""
     if journal is None:
         return None
     events = journal.sink.take()
-    return HiCacheKVEvents([_to_vllm(e) for e in events]) if events else None
+    if not events and ranks == 1:
+        return None
+    return HiCacheKVEvents([_to_vllm(e) for e in events], always=ranks > 1)
+
+
+def _per_block(events: Iterable[KVCacheEvent]) -> list[KVCacheEvent]:
+    """Events of one block each: ranks group a chain's blocks into events differently (their
+    copies land at different times), so they are matched block by block."""
+    out: list[KVCacheEvent] = []
+    for e in events:
+        if isinstance(e, BlockStored) and len(e.block_hashes) > 1:
+            bs = e.block_size
+            parent = e.parent_block_hash
+            for i, h in enumerate(e.block_hashes):
+                out.append(BlockStored(
+                    block_hashes=[h], parent_block_hash=parent, token_ids=list(e.token_ids[i * bs : (i + 1) * bs]),
+                    block_size=bs, lora_id=None, medium=e.medium, lora_name=None, locality=e.locality,
+                    ownership=e.ownership,
+                ))
+                parent = h
+        elif isinstance(e, BlockRemoved) and len(e.block_hashes) > 1:
+            out += [BlockRemoved(block_hashes=[h], medium=e.medium, locality=e.locality, ownership=e.ownership)
+                    for h in e.block_hashes]
+        else:
+            out.append(e)
+    return out
 
 
 class SchedulerEvents:
@@ -111,7 +140,7 @@ class SchedulerEvents:
         while len(self._pending) < len(workers):
             self._pending.append(deque())
         for pending, got in zip(self._pending, workers, strict=False):
-            pending.extend((self._step, e) for e in got)
+            pending.extend((self._step, e) for e in (_per_block(got) if len(workers) > 1 else got))
         self._ready += self._translate(self._common())
 
     def take(self) -> list[KVCacheEvent]:
