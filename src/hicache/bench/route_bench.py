@@ -1,8 +1,9 @@
 """``hicache bench route``: two ``vllm serve`` workers with hicache behind a KV-aware router.
 
 Per configuration, two fresh workers (SmolLM2-135M, fp32, on loopback), each with the hicache
-connector (a host tier and a file tier of its own), vLLM's KV holding about ``--kv-fraction`` of
-the workload's history, and vLLM's ``--kv-events-config`` publishing on loopback. The multi-turn
+connector (a host tier of ``--host-fraction`` of the workload's history and a file tier of its own of
+``--file-fraction``: together the workers hold the history only if each conversation stays on one),
+vLLM's KV holding about ``--kv-fraction`` of it, and vLLM's ``--kv-events-config`` publishing on loopback. The multi-turn
 workload's clients send every request to the router, which picks a worker:
 
 * ``round-robin``: in turn, whatever the prompt;
@@ -75,6 +76,9 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--runs", type=int, default=1, help="repeat every configuration (fresh workers each time)")
     g.add_argument("--kv-fraction", type=float, default=0.25, help="each worker's vLLM KV / the workload's history")
     g.add_argument("--host-fraction", type=float, default=0.25, help="each worker's host tier / the history")
+    g.add_argument("--file-fraction", type=float, default=0.5,
+                   help="each worker's file tier / the history (below 1: the two workers' tiers hold the history "
+                        "only if each conversation stays on one worker)")
     g.add_argument("--block-size", type=int, default=128, help="vLLM's block size (and hicache's page)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default=None, help="folder for results.json, the servers' logs and file tiers")
@@ -94,7 +98,7 @@ def _sizes(args: argparse.Namespace, workload: MultiTurn, token_bytes: int) -> d
     return {
         "history_tokens": history, "max_model_len": max_model_len, "vllm_blocks": blocks,
         "kv_cache_bytes": blocks * bs * token_bytes, "host_bytes": host_pages * bs * token_bytes,
-        "file_bytes": (math.ceil(history / bs) + workload.requests + 1) * 2 * bs * token_bytes,
+        "file_bytes": max(math.ceil(history * args.file_fraction / bs), host_pages + 1) * bs * token_bytes,
     }
 
 
@@ -274,7 +278,8 @@ def run_route_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     print(f"hicache bench route: {workload}; {workload.requests} requests, history {sizes['history_tokens']:,} tokens; "
           f"each worker: vLLM KV {sizes['vllm_blocks'] * args.block_size:,} tokens "
           f"({sizes['vllm_blocks'] * args.block_size / sizes['history_tokens']:.0%} of the history), hicache host "
-          f"{sizes['host_bytes'] // geo['token_bytes']:,} tokens + its own file tier", file=sys.stderr)
+          f"{sizes['host_bytes'] // geo['token_bytes']:,} tokens and a file tier of its own of "
+          f"{sizes['file_bytes'] // geo['token_bytes']:,}", file=sys.stderr)
     runs: list[dict[str, Any]] = []
     for run in range(args.runs):
         results: dict[str, Any] = {}
