@@ -279,3 +279,29 @@ def test_events_are_refused_for_hybrid_models(tmp_path) -> None:
     cfg = events_config(tmp_path, model={"layers": ["full", "sliding:8", "full", "sliding:8"]})
     with pytest.raises(ConfigError, match="hybrid model"):
         HiCache.from_config(cfg)
+
+
+async def test_replay_requests_are_rate_limited_and_junk_is_ignored(tmp_path) -> None:
+    import zmq
+
+    cfg = events_config(tmp_path)
+    async with HiCache.from_config(cfg) as cache:
+        pub = cache.events.sink
+        await anyio.to_thread.run_sync(pub.flush)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(pub.bound_replay_endpoint)
+        try:
+            sock.send_multipart((b"", b"not a sequence number"))  # ignored: nothing answered
+            for _ in range(60):
+                sock.send_multipart((b"", (0).to_bytes(8, "big")))
+            ends = 0
+            deadline = anyio.current_time() + 5
+            while anyio.current_time() < deadline and ends < 60:
+                if not await anyio.to_thread.run_sync(sock.poll, 300):
+                    break
+                frames = sock.recv_multipart()
+                ends += frames[2] == (-1).to_bytes(8, "big", signed=True)
+        finally:
+            sock.close(0)
+        assert 0 < ends < 60 and pub.refused_replays > 0

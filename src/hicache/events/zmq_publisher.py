@@ -4,6 +4,10 @@ Frames: ``(topic, sequence number as 8 bytes big-endian, msgpack batch)`` on a P
 replay endpoint, a ROUTER socket answers ``(client, b"", start sequence)`` with every kept batch from
 that number, ``(client, b"", topic, seq, payload)`` each, then ``(client, b"", b"", -1, b"")``.
 
+Events carry the prompts' token ids: the sockets bind loopback by default, and binding another
+address is logged as a warning (a router's subscriber cannot authenticate: keep the port private, as
+vLLM's). The replay socket answers at most ``_REPLAYS_PER_S`` requests a second; more are dropped.
+
 The cache never waits for it: ``put`` appends to a bounded queue (past ``max_queue_size`` events
 are dropped and counted) and one thread batches, encodes and sends; a subscriber that lags past the
 socket's high-water mark loses batches (ZMQ drops them; counted as ``dropped_batches`` when the
@@ -28,6 +32,14 @@ __all__ = ["ZmqEventPublisher"]
 log = logging.getLogger("hicache.events")
 
 _END = (-1).to_bytes(8, "big", signed=True)
+_REPLAYS_PER_S = 20
+_LOCAL = ("tcp://127.0.0.1:", "tcp://localhost:", "tcp://[::1]:", "ipc://", "inproc://")
+
+
+def _warn_if_public(endpoint: str | None) -> None:
+    if endpoint is not None and not endpoint.startswith(_LOCAL):
+        log.warning("KV events on %s: they carry the prompts' token ids and subscribers are not authenticated; "
+                    "keep that address private", endpoint)
 
 
 class ZmqEventPublisher:
@@ -67,6 +79,9 @@ class ZmqEventPublisher:
         self.dropped_batches = 0  # the PUB socket would have blocked (every subscriber at its HWM)
         self.sent_batches = 0
         self.replays = 0
+        self.refused_replays = 0  # past _REPLAYS_PER_S
+        self._replay_window = 0.0
+        self._replays_now = 0
         self._cycles = 0  # passes of the thread's loop, each sending all it found queued
         self._cycled = threading.Condition()
 
@@ -88,6 +103,8 @@ class ZmqEventPublisher:
 
     def start(self) -> None:
         """Bind the sockets (in the publisher's thread) and start it; a bad endpoint raises here."""
+        _warn_if_public(self.endpoint)
+        _warn_if_public(self.replay_endpoint)
         self._thread = threading.Thread(target=self._run, name="hicache-kv-events", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -192,6 +209,13 @@ class ZmqEventPublisher:
                 return
             if len(frames) != 3 or len(frames[2]) != 8:
                 continue  # not a replay request: ignored, nothing revealed
+            now = time.monotonic()
+            if now - self._replay_window > 1.0:
+                self._replay_window, self._replays_now = now, 0
+            if self._replays_now >= _REPLAYS_PER_S:
+                self.refused_replays += 1
+                continue
+            self._replays_now += 1
             client, _, start = frames
             first = int.from_bytes(start, "big")
             self.replays += 1
