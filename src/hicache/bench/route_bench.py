@@ -45,6 +45,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import anyio
 
 from .driver import DriverSettings, drive
@@ -217,7 +218,11 @@ class Router:
         load = -(-len(tokens) // self.block_size)
         self.in_flight[worker] += load
         try:
-            result = await self.clients[worker].generate(request)
+            try:
+                result = await self.clients[worker].generate(request)
+            except aiohttp.ClientOSError:
+                # a keep-alive connection the server closed as it was reused: nothing was sent, so once more
+                result = await self.clients[worker].generate(request)
         finally:
             self.in_flight[worker] -= load
         self.decisions.append({"tags": dict(request.tags), "worker": worker, "predicted": predicted,
@@ -308,6 +313,7 @@ def run_route_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                   f"requests per worker {s['per_worker']}{err}", file=sys.stderr)
         runs.append(results)
         _print_targets(run, results)
+        (out / "results.json").write_text(json.dumps({"sizes": sizes, "runs": runs}, indent=1, default=str))
     (out / "results.json").write_text(json.dumps({"sizes": sizes, "runs": runs}, indent=1, default=str))
     return {"sizes": sizes, "runs": runs}
 
