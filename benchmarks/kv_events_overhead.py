@@ -12,9 +12,9 @@ backed up, written, evicted and read back through every tier all the time, and e
 event. Modes, interleaved round by round on fresh caches (the same trace each):
 
 * ``off``: no events;
-* ``on``: events published, a subscriber reading them (a router);
-* ``on-stalled``: published to a subscriber that never reads (ZMQ drops past its high-water mark;
-  the cache must not notice);
+* ``on``: events published, a subscriber reading them (a router: a process of its own);
+* ``on-stalled``: published to a subscriber process that never reads (ZMQ drops past its
+  high-water mark; the cache must not notice);
 * ``on-no-subscriber``: published to nobody.
 
 Printed: each mode's mean request latency (median of the rounds), the ratio to ``off`` (target:
@@ -34,7 +34,6 @@ import random  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -59,7 +58,8 @@ def _config(folder: Path, mode: str) -> object:
         "policies": {"write": "write_through", "prefetch": "wait_complete", "prefetch_threshold_tokens": 0},
     }
     if mode != "off":
-        over["kv_events"] = {"enabled": True, "endpoint": "tcp://127.0.0.1:*", "hwm": 64}
+        over["kv_events"] = {"enabled": True, "endpoint": "tcp://127.0.0.1:*", "hwm": 64,
+                             "batch_interval_s": float(os.environ.get("EV_INTERVAL", "0.05"))}
     return load_config(overrides=over, env={})
 
 
@@ -76,33 +76,39 @@ def _trace(conversations: int, turns: int, seed: int) -> list[tuple[int, list[in
     return out
 
 
+_READER = """
+import sys, zmq
+sock = zmq.Context.instance().socket(zmq.SUB)
+sock.setsockopt(zmq.SUBSCRIBE, b"")
+sock.setsockopt(zmq.RCVHWM, 16)
+sock.connect(sys.argv[1])
+read = sys.argv[2] == "read"
+print("ready", flush=True)
+while True:
+    if read:
+        sock.recv_multipart()
+    else:
+        sys.stdin.read()  # never reads the socket: it fills, then ZMQ drops
+"""
+
+
 class Reader:
-    """A subscriber that reads (``on``) or never does (``on-stalled``: its socket fills)."""
+    """A subscriber in a process of its own, as a router is: it reads (``on``) or never does
+    (``on-stalled``: its socket fills)."""
 
     def __init__(self, endpoint: str, read: bool) -> None:
-        import zmq
+        import subprocess
 
-        self.sock = zmq.Context.instance().socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.setsockopt(zmq.RCVHWM, 16)
-        self.sock.connect(endpoint)
-        self.batches = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True) if read else None
-        if self._thread is not None:
-            self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if self.sock.poll(50):
-                self.sock.recv_multipart()
-                self.batches += 1
+        self.proc = subprocess.Popen([sys.executable, "-c", _READER, endpoint, "read" if read else "stall"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == b"ready"
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.sock.close(0)
+        self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
 
 
 async def _one(mode: str, trace: list[tuple[int, list[int]]], clients: int) -> dict[str, float]:

@@ -554,7 +554,7 @@ class KVEventsConfig(BaseModel):
     max_queue_size: _Int = Field(default=100_000, ge=1)
     #: A batch goes out when it has this many events or is this old.
     batch_events: _Int = Field(default=512, ge=1)
-    batch_interval_s: float = Field(default=0.005, gt=0)
+    batch_interval_s: float = Field(default=0.05, gt=0)
     #: ``data_parallel_rank`` of each batch (None: not set).
     data_parallel_rank: _Int | None = None
     #: Storage tiers (by name) shared by several instances: announced with the medium ``SHARED``;

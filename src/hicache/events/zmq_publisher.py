@@ -53,7 +53,7 @@ class ZmqEventPublisher:
         buffer_steps: int = 10_000,
         max_queue_size: int = 100_000,
         batch_events: int = 512,
-        batch_interval_s: float = 0.005,
+        batch_interval_s: float = 0.05,
         data_parallel_rank: int | None = None,
     ) -> None:
         self.endpoint = endpoint
